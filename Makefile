@@ -1,0 +1,38 @@
+# make demo : fresh CPU machine -> .venv, install, a real Optuna sweep of the tiny Llama, the stability report
+# make test : the whole test suite (lint included); .ci/run calls exactly this
+# make ui   : MLflow UI over mlruns/ on 127.0.0.1
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PORT   ?= 5000
+STUDY  ?= demo
+
+.PHONY: demo test ui lint clean
+
+# The CPU build of torch that lies on disk (the `cpu` extra pins it), never a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,dev]' --config-settings editable_mode=compat
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m src.train -m hydra/sweeper=optuna sweep=demo hydra.sweeper.study_name=$(STUDY)
+	$(PY) -m src.report $(STUDY)
+	@echo
+	@echo "Trials, metrics and failures: make ui  (MLflow at http://127.0.0.1:$(PORT), experiment '$(STUDY)')"
+	@echo "Report and pictures:          sweeps/$(STUDY)/report.md"
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src hydra_plugins tests benchmarks
+	$(VENV)/bin/ruff format --check src hydra_plugins tests benchmarks
+
+test: $(VENV)/.installed lint
+	$(PY) -m pytest -q
+
+ui: $(VENV)/.installed
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db --host 127.0.0.1 --port $(PORT)
+
+clean:
+	rm -rf sweeps/* mlruns/* .cache
+	touch sweeps/.gitkeep mlruns/.gitkeep

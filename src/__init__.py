@@ -1,0 +1,1 @@
+"""QLoRA stability sweeps: measure which fine-tuning settings are stable on a given card."""

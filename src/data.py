@@ -1,0 +1,209 @@
+"""The seed's data format, as chat messages rendered by the model's own template.
+
+A table (xlsx, csv, jsonl or parquet) with an input column and an output column becomes system / user /
+assistant messages. `python -m src.data` writes the shipped sample sets (deterministic).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from src.failures import DataError
+
+READERS = {
+    ".xlsx": lambda p, sheet: pd.read_excel(p, sheet_name=sheet or 0, dtype=str),
+    ".xls": lambda p, sheet: pd.read_excel(p, sheet_name=sheet or 0, dtype=str),
+    ".csv": lambda p, sheet: pd.read_csv(p, dtype=str, keep_default_na=True),
+    ".jsonl": lambda p, sheet: pd.read_json(p, lines=True, dtype=False),
+    ".parquet": lambda p, sheet: pd.read_parquet(p),
+}
+
+
+def load_table(data_cfg: Any) -> pd.DataFrame:
+    """Read the data file; a missing file, unknown format or missing column names the key to fix."""
+    path = Path(data_cfg.path)
+    if not path.is_file():
+        raise DataError(f"data.path: file not found: {path} (set data.path=/path/to/file.xlsx|csv|jsonl|parquet)")
+    reader = READERS.get(path.suffix.lower())
+    if reader is None:
+        raise DataError(f"data.path: unsupported format '{path.suffix}' for {path}; use one of {sorted(READERS)}")
+    try:
+        df = reader(path, data_cfg.sheet)
+    except Exception as exc:  # a corrupt file is a data problem, whatever the parser raised
+        raise DataError(f"data.path: cannot read {path}: {exc}") from exc
+    for key in ("input_column", "output_column"):
+        column = data_cfg[key]
+        if column not in df.columns:
+            raise DataError(
+                f"data.{key}: column '{column}' not in {path.name} (columns: {list(df.columns)}); "
+                f"set data.{key}=<one of them>"
+            )
+    if data_cfg.max_rows:
+        df = df.head(data_cfg.max_rows)
+    # Row numbers as a person sees them in the sheet (header is row 1).
+    df.index = pd.RangeIndex(2, len(df) + 2, name="row")
+    return df
+
+
+def cell(value: Any) -> str:
+    """A cell as text; missing cells are empty strings (preflight reports them before this matters)."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return ""
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value).strip()
+
+
+def to_messages(df: pd.DataFrame, data_cfg: Any) -> list[list[dict[str, str]]]:
+    chats = []
+    for inp, out in zip(df[data_cfg.input_column], df[data_cfg.output_column], strict=True):
+        chat = [{"role": "user", "content": cell(inp)}, {"role": "assistant", "content": cell(out)}]
+        if data_cfg.system_prompt:
+            chat.insert(0, {"role": "system", "content": data_cfg.system_prompt})
+        chats.append(chat)
+    return chats
+
+
+def token_lengths(chats: list[list[dict[str, str]]], tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of each whole rendered chat, and of its prompt (everything before the answer)."""
+    full = tokenizer.apply_chat_template(chats, tokenize=True, return_dict=False)
+    prompts = tokenizer.apply_chat_template(
+        [c[:-1] for c in chats], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    return np.array([len(x) for x in full]), np.array([len(x) for x in prompts])
+
+
+def length_stats(lengths: np.ndarray) -> dict[str, float]:
+    if len(lengths) == 0:
+        return {}
+    return {
+        "tokens_min": float(lengths.min()),
+        "tokens_median": float(np.median(lengths)),
+        "tokens_p95": float(np.percentile(lengths, 95)),
+        "tokens_max": float(lengths.max()),
+    }
+
+
+def probe_rows(lengths: np.ndarray, n_rows: int, batch: int, seed: int) -> np.ndarray:
+    """Indices of the rows a short run trains on: the `batch` longest rows plus a seeded random rest.
+
+    A probe sees only a few batches. Padding makes every batch as long as its longest row, so holding the
+    longest rows guarantees the probe meets the data set's longest (padded) batch, and with it the peak a
+    full epoch would reach. With group_by_length the sampler also puts that batch first.
+    """
+    if n_rows >= len(lengths):
+        return np.arange(len(lengths))
+    longest = np.argsort(-lengths, kind="stable")[:batch]
+    rest = np.setdiff1d(np.arange(len(lengths)), longest)
+    rng = np.random.default_rng(seed)
+    picked = rng.choice(rest, size=n_rows - len(longest), replace=False)
+    return np.sort(np.concatenate([longest, picked]))
+
+
+# ---- the shipped sample sets -------------------------------------------------------------------------
+
+FINDINGS = [
+    ("chest pain", "chest"),
+    ("shortness of breath", "lungs"),
+    ("headache", "head"),
+    ("abdominal pain", "abdomen"),
+    ("lower back pain", "lumbar spine"),
+    ("rash", "skin"),
+    ("swelling", "left ankle"),
+    ("fever", None),
+    ("cough", "lungs"),
+    ("dizziness", None),
+    ("nausea", "abdomen"),
+    ("palpitations", "heart"),
+    ("joint stiffness", "right knee"),
+    ("blurred vision", "eyes"),
+    ("numbness", "left hand"),
+    ("wheezing", "lungs"),
+    ("sore throat", "throat"),
+    ("fatigue", None),
+    ("edema", "both legs"),
+    ("tenderness", "right lower quadrant"),
+]
+SEVERITY = ["mild", "moderate", "severe"]
+OPENERS = [
+    "Patient reports {sev} {f}{site}.",
+    "Patient denies {f}{site}.",
+    "Complains of {sev} {f}{site} since {when}.",
+    "No evidence of {f}{site} on examination.",
+    "{Sev} {f}{site} noted during the visit.",
+    "History of {sev} {f}{site}, worse at night.",
+    "Reports intermittent {f}{site} for {when}.",
+]
+WHEN = ["yesterday", "two days", "a week", "three weeks", "this morning", "several months"]
+CONTEXT = [
+    "Vital signs are within normal limits.",
+    "The patient is afebrile and alert.",
+    "Medication list was reviewed with the patient.",
+    "Follow-up is scheduled in two weeks.",
+    "Laboratory results are pending.",
+    "The patient was advised to return if symptoms worsen.",
+    "Past medical history includes hypertension and type 2 diabetes.",
+    "No known drug allergies.",
+    "Imaging of the area was ordered.",
+    "Pain is rated six out of ten.",
+]
+
+
+def _sentence(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    finding, site = rng.choice(FINDINGS)
+    sev = rng.choice(SEVERITY)
+    template = rng.choice(OPENERS)
+    negated = "denies" in template or "No evidence" in template
+    text = template.format(
+        f=finding, sev=sev, Sev=sev.capitalize(), site=f" in the {site}" if site else "", when=rng.choice(WHEN)
+    )
+    answer = {"finding": finding, "body_site": site, "severity": None if negated else sev, "negated": negated}
+    return text, answer
+
+
+def make_sample(n: int = 400, seed: int = 0) -> pd.DataFrame:
+    """Short clinical-style sentences with JSON answers: the seed's spreadsheet, in miniature."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        text, answer = _sentence(rng)
+        if rng.random() < 0.3:
+            text = f"{text} {rng.choice(CONTEXT)}"
+        rows.append({"Sentence": text, "Description": json.dumps(answer)})
+    return pd.DataFrame(rows)
+
+
+def make_notes(n: int = 300, seed: int = 1) -> pd.DataFrame:
+    """Multi-sentence notes with a long tail (log-normal sentence counts): some pass 2048 tokens."""
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    rows = []
+    for k in np.clip(nrng.lognormal(mean=3.2, sigma=0.9, size=n), 2, 400).astype(int):
+        parts, answers = [], []
+        for _ in range(k):
+            if rng.random() < 0.35:
+                text, answer = _sentence(rng)
+                parts.append(text)
+                answers.append(answer)
+            else:
+                parts.append(rng.choice(CONTEXT))
+        rows.append({"note": " ".join(parts), "answer": json.dumps({"findings": answers[:20]})})
+    return pd.DataFrame(rows)
+
+
+def main() -> None:
+    out = Path(__file__).resolve().parent.parent / "data"
+    out.mkdir(exist_ok=True)
+    make_sample().to_excel(out / "clinical_sample.xlsx", index=False)
+    make_notes().to_json(out / "clinical_notes.jsonl", orient="records", lines=True)
+    print(f"wrote {out / 'clinical_sample.xlsx'} and {out / 'clinical_notes.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()

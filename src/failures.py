@@ -1,0 +1,151 @@
+"""What went wrong, in the contract's words: classify a failure by exception type and message (inside the
+trial) or by exit code, signal and the tail of stderr (from outside, when the process died).
+
+CUDA errors surface far from their kernel and with messages that change between releases (a sticky error
+is often re-raised by the next synchronize or allocation as torch.AcceleratorError), so the patterns are
+matched on the whole message, most specific first, and anything unknown is `other`, never a guess.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import asdict, dataclass
+
+KINDS = (
+    "oom",
+    "launch_failure",
+    "illegal_memory_access",
+    "device_assert",
+    "cublas",
+    "nccl",
+    "segfault",
+    "killed",
+    "timeout",
+    "nan_loss",
+    "data_error",
+    "config_error",
+    "other",
+)
+# Errors after which the CUDA context is poisoned: worth one re-run with CUDA_LAUNCH_BLOCKING=1.
+STICKY_CUDA = ("launch_failure", "illegal_memory_access", "device_assert", "cublas")
+# Failures caused by the setting's memory: the sampler should learn to avoid them (constraint violation).
+MEMORY = ("oom",)
+
+
+class DataError(ValueError):
+    """The data set cannot be used as configured (missing file or column, refused by preflight)."""
+
+
+class ConfigError(ValueError):
+    """The configuration cannot work (a guard refused it before any GPU time was spent)."""
+
+
+class NanLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+@dataclass
+class Failure:
+    kind: str
+    message: str
+    step: int | None = None
+    rank: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# (kind, pattern) in order: the first match wins.
+_PATTERNS = [
+    ("oom", r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|can't allocate memory"),
+    ("launch_failure", r"unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|launch timed out"),
+    (
+        "illegal_memory_access",
+        r"illegal memory access|illegal address|misaligned address|"
+        r"operation not supported on global/shared address space|CUDA_ERROR_ILLEGAL_ADDRESS",
+    ),
+    ("device_assert", r"device-side assert|CUDA_ERROR_ASSERT"),
+    ("cublas", r"CUBLAS_STATUS|cublas"),
+    ("nccl", r"\bNCCL\b|ncclSystemError|ncclInternalError|ncclUnhandledCudaError|ProcessGroupNCCL"),
+    ("nan_loss", r"NanLossError|loss (is|became) (nan|inf)"),
+    ("segfault", r"Segmentation fault|SIGSEGV|Fatal Python error: (Segmentation|Bus error)"),
+]
+_COMPILED = [(kind, re.compile(pat, re.IGNORECASE)) for kind, pat in _PATTERNS]
+
+_CONFIG_TYPES = (
+    "ConfigError",
+    "ConfigCompositionException",
+    "ConfigKeyError",
+    "ConfigAttributeError",
+    "ValidationError",
+    "MissingMandatoryValue",
+    "InterpolationResolutionError",
+    "OverrideParseException",
+)
+
+
+def first_line(text: str) -> str:
+    for line in str(text).strip().splitlines():
+        if line.strip():
+            return line.strip()[:500]
+    return ""
+
+
+def classify_text(text: str) -> str | None:
+    for kind, pattern in _COMPILED:
+        if pattern.search(text):
+            return kind
+    return None
+
+
+def classify_exception(exc: BaseException) -> str:
+    """The kind of an exception caught inside the trial process."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if "OutOfMemoryError" in names:
+        return "oom"
+    if "NanLossError" in names:
+        return "nan_loss"
+    if "DataError" in names:
+        return "data_error"
+    if names & set(_CONFIG_TYPES):
+        return "config_error"
+    text = f"{type(exc).__name__}: {exc}"
+    kind = classify_text(text)
+    if kind:
+        return kind
+    if "DistBackendError" in names:
+        return "nccl"
+    return "other"
+
+
+def classify_exit(returncode: int, stderr_tail: str = "", *, timed_out: bool = False) -> str:
+    """The kind of a trial process that ended without recording its own failure."""
+    if timed_out:
+        return "timeout"
+    if returncode < 0:
+        sig = -returncode
+        if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE):
+            return "segfault"
+        if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            return "killed"
+        if sig == signal.SIGABRT:
+            return classify_text(stderr_tail) or "segfault"
+    # Python's faulthandler prints the fault and exits with the signal's status; shells report 128+N.
+    if returncode in (128 + signal.SIGSEGV, 128 + signal.SIGBUS):
+        return "segfault"
+    if returncode in (128 + signal.SIGKILL, 128 + signal.SIGTERM):
+        return "killed"
+    return classify_text(stderr_tail) or "other"
+
+
+_GIB = 1024**3
+_UNITS = {"B": 1, "K": 1024, "M": 1024**2, "G": _GIB, "T": 1024**4}
+
+
+def oom_request_gib(message: str) -> float | None:
+    """The size of the allocation an OOM message says failed ("Tried to allocate 2.00 GiB"), in GiB."""
+    m = re.search(r"Tried to allocate ([\d.]+) ?([KMGT]i?B|B)", message, re.IGNORECASE)
+    if not m:
+        return None
+    return float(m.group(1)) * _UNITS[m.group(2)[0].upper()] / _GIB

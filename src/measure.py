@@ -1,0 +1,217 @@
+"""Honest measurement of one trial: peak memory three ways, throughput over warm steps only.
+
+- torch's allocator peaks (allocated, reserved) are exact and cover every step, warm-up included: the
+  peak is what decides OOM, whenever it happens.
+- NVML sees the whole process on the device (CUDA context, cuBLAS workspaces, NCCL buffers); a thread
+  samples it, since it has no peak counter.
+- tokens/s counts non-padding tokens (the trainer's `num_input_tokens_seen` in "non_padding" mode) over
+  the steps after `measure.warmup_steps`, timed between synchronized step ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from src.failures import NanLossError
+
+GIB = 1024**3
+
+
+def cap_to_budget(budget_gib: float) -> dict[str, float]:
+    """Cap this process's caching allocator so it can hold at most what a `budget_gib` card leaves after the
+    CUDA context; torch then raises a real OutOfMemoryError where the smaller card would."""
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # create the context so NVML can see what it costs
+    total = torch.cuda.get_device_properties(0).total_memory
+    context = _nvml_process_bytes() or 0
+    usable = budget_gib * GIB - context
+    if usable >= total:
+        return {"cuda_context_gib": context / GIB, "device_total_gib": total / GIB}
+    torch.cuda.set_per_process_memory_fraction(max(usable, 0) / total)
+    return {"cuda_context_gib": context / GIB, "device_total_gib": total / GIB, "allocator_cap_gib": usable / GIB}
+
+
+def _nvml_handle() -> Any:
+    import pynvml
+
+    pynvml.nvmlInit()
+    index = torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        index = int(visible.split(",")[index])
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def _nvml_process_bytes() -> int | None:
+    """Device memory NVML attributes to this process, or None where NVML cannot see it."""
+    try:
+        import pynvml
+
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(_nvml_handle()):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory)
+    except Exception:
+        return None
+    return None
+
+
+class NvmlSampler(threading.Thread):
+    """Peak device memory of this process as NVML sees it, sampled every `interval` seconds."""
+
+    def __init__(self, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            used = _nvml_process_bytes()
+            if used is not None:
+                self.peak = max(self.peak, used)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self.join(timeout=2)
+        return self.peak / GIB if self.peak else None
+
+
+class Measurements(TrainerCallback):
+    """Collects per-step time, tokens and memory; writes `progress.json` at every step for the watchdog."""
+
+    def __init__(self, cfg: Any, progress_path: Path, world_size: int = 1) -> None:
+        self.warmup = cfg.measure.warmup_steps
+        self.samples_per_step = (
+            cfg.trainer.per_device_train_batch_size * cfg.trainer.gradient_accumulation_steps * world_size
+        )
+        self.progress_path = progress_path
+        self.cuda = torch.cuda.is_available()
+        self.steps: list[dict[str, float]] = []
+        self.losses: list[float] = []
+        self.step = 0
+        self._last_t = 0.0
+        self._last_tokens = 0
+        self.nvml = NvmlSampler(cfg.measure.nvml_interval_s) if self.cuda else None
+        if self.nvml:
+            self.nvml.start()
+        self.write_progress("loading")
+
+    def write_progress(self, phase: str) -> None:
+        tmp = self.progress_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"phase": phase, "step": self.step, "time": time.time()}))
+        tmp.replace(self.progress_path)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._sync()
+        self._last_t = time.perf_counter()
+        self._last_tokens = state.num_input_tokens_seen
+        self.write_progress("training")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._sync()
+        now = time.perf_counter()
+        tokens = state.num_input_tokens_seen
+        self.step = state.global_step
+        record = {"step": self.step, "time_s": now - self._last_t, "tokens": tokens - self._last_tokens}
+        if self.cuda:
+            record["vram_reserved_gib"] = torch.cuda.memory_reserved() / GIB
+            record["vram_allocated_gib"] = torch.cuda.memory_allocated() / GIB
+        self.steps.append(record)
+        self._last_t, self._last_tokens = now, tokens
+        self.write_progress("training")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        loss = (logs or {}).get("loss")
+        if loss is None:
+            return
+        self.losses.append(float(loss))
+        if not math.isfinite(float(loss)):
+            raise NanLossError(f"loss became {loss} at step {state.global_step}")
+
+    def summary(self) -> dict[str, float]:
+        """The contract's per-trial metrics from what was measured (partial if the trial failed)."""
+        m: dict[str, float] = {"peak_rss_gib": _max_rss_gib()}
+        if self.cuda:
+            m["peak_vram_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+            m["peak_vram_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            stats = torch.cuda.memory_stats()
+            m["alloc_retries"] = float(stats.get("num_alloc_retries", 0))
+            m["alloc_ooms"] = float(stats.get("num_ooms", 0))
+            device = self.nvml.stop() if self.nvml else None
+            if device is not None:
+                m["peak_vram_device_gib"] = device
+        else:
+            # No device: the trial held no device memory.
+            m["peak_vram_allocated_gib"] = 0.0
+            m["peak_vram_reserved_gib"] = 0.0
+        measured = self.steps[self.warmup :]
+        if measured:
+            seconds = sum(s["time_s"] for s in measured)
+            m["step_time_s"] = statistics.median(s["time_s"] for s in measured)
+            m["tokens_per_s"] = sum(s["tokens"] for s in measured) / seconds
+            m["samples_per_s"] = self.samples_per_step * len(measured) / seconds
+            m["measured_steps"] = float(len(measured))
+        if self.losses:
+            m["train_loss"] = statistics.fmean(self.losses)
+        return m
+
+
+def _max_rss_gib() -> float:
+    import resource
+
+    # ru_maxrss is in KiB on Linux: the process's true peak, not a sample.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+class AttentionProbe(TrainerCallback):
+    """Profiles one step to record which scaled-dot-product-attention kernel actually ran.
+
+    SDPA silently falls back to its quadratic-memory math path when, e.g., activations are fp32; only the
+    dispatched aten op says which path it took.
+    """
+
+    OPS = {
+        "aten::_scaled_dot_product_flash_attention": "flash",
+        "aten::_scaled_dot_product_efficient_attention": "efficient",
+        "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
+        "aten::_scaled_dot_product_attention_math": "math",
+    }
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+        self.kernels: set[str] = set()
+        self._prof: Any = None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step + 1 == self.at_step:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._prof.__enter__()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            names = {evt.key for evt in self._prof.key_averages()}
+            self.kernels = {kind for op, kind in self.OPS.items() if op in names}
+            self._prof = None
+
+    @property
+    def tag(self) -> str:
+        return ",".join(sorted(self.kernels)) or "none_seen"

@@ -1,0 +1,179 @@
+"""Model and tokenizer: built locally when the config asks for a random model, always loaded through the
+same 4-bit `from_pretrained` path a real checkpoint takes, and never moved with `.to()` afterwards
+(a quantized or dispatched model is placed by `device_map` at load time, the only safe moment).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from filelock import FileLock
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from src.failures import ConfigError
+
+SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|finetune_right_pad_id|>",
+]
+# Meta-Llama-3-Instruct's chat format, with the {% generation %} markers trl uses for assistant-only loss.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int = 2048) -> Any:
+    """A byte-level BPE trained on the sample data's vocabulary, with Llama-3's special tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from src.data import make_notes, make_sample
+
+    sample, notes = make_sample(), make_notes(n=60)
+    corpus = [*sample["Sentence"], *sample["Description"], *notes["note"], *notes["answer"]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|finetune_right_pad_id|>",
+        chat_template=LLAMA3_CHAT_TEMPLATE,
+        model_max_length=1_000_000,
+    )
+
+
+def build_random_llama(path: Path, arch: dict[str, Any]) -> None:
+    """A Llama of the given architecture with random weights, saved at `path` like any checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    arch = {k: v for k, v in arch.items() if v is not None}
+    arch.setdefault("vocab_size", len(tokenizer))
+    config = LlamaConfig(
+        **arch,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    # Big models are made on the GPU in bf16 (16 GB for 8B: seconds there, minutes on a CPU).
+    device = "cuda" if torch.cuda.is_available() and config.hidden_size >= 1024 else "cpu"
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    tmp = path.with_name(path.name + ".partial")
+    model.save_pretrained(tmp, max_shard_size="5GB")
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _quantized_copy(model_cfg: Any, cache_dir: Path) -> Path:
+    key = json.dumps(
+        {"path": str(model_cfg.path), "q": OmegaConf.to_container(model_cfg.quantization), "dtype": model_cfg.dtype},
+        sort_keys=True,
+    )
+    return cache_dir / "quantized" / f"{model_cfg.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def ensure_built(model_cfg: Any) -> None:
+    """Build the random model at model.path if the config asks for one and it is not there yet."""
+    path = Path(model_cfg.path)
+    if path.exists():
+        return
+    if model_cfg.build is None:
+        raise ConfigError(
+            f"model.path: {path} does not exist. Point it at a local checkpoint directory "
+            f"(model.path=/models/Meta-Llama-3-8B-Instruct), or use model=tiny_llama / model=llama3_8b_synthetic."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            build_random_llama(path, OmegaConf.to_container(model_cfg.build))
+
+
+def device_map(parallelism: str) -> dict[str, Any] | str:
+    if not torch.cuda.is_available():
+        return {"": "cpu"}
+    if parallelism == "model_parallel":
+        return "auto"
+    return {"": torch.cuda.current_device()}
+
+
+def load(cfg: Any) -> tuple[Any, Any]:
+    """(4-bit model, tokenizer) for the trial; a cached 4-bit copy is made once and reused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mcfg = cfg.model
+    ensure_built(mcfg)
+    source = Path(mcfg.path)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"model.path: the tokenizer in {source} has no chat template; use the Instruct model's.")
+    if tokenizer.pad_token is None:
+        pad = "<|finetune_right_pad_id|>"
+        tokenizer.pad_token = pad if pad in tokenizer.get_vocab() else tokenizer.eos_token
+
+    kwargs: dict[str, Any] = {
+        "dtype": getattr(torch, mcfg.dtype),
+        "attn_implementation": mcfg.attn_implementation,
+        "device_map": device_map(cfg.hardware.parallelism),
+    }
+    quantized = _quantized_copy(mcfg, Path(cfg.paths.cache_dir))
+    if mcfg.cache_quantized and (quantized / "config.json").exists():
+        # The saved copy carries its quantization_config; from_pretrained restores the 4-bit layers.
+        model = AutoModelForCausalLM.from_pretrained(quantized, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, quantization_config=instantiate(mcfg.quantization), **kwargs
+        )
+        if mcfg.cache_quantized:
+            quantized.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(quantized) + ".lock"):
+                if not (quantized / "config.json").exists():
+                    tmp = quantized.with_name(quantized.name + ".partial")
+                    model.save_pretrained(tmp)
+                    tmp.rename(quantized)
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    return model, tokenizer
+
+
+def context_length(cfg: Any) -> int | None:
+    """The model's maximum context, read without loading weights (for preflight)."""
+    if cfg.model.build is not None and cfg.model.build.get("max_position_embeddings"):
+        return int(cfg.model.build.max_position_embeddings)
+    config = Path(cfg.model.path) / "config.json"
+    if config.exists():
+        return json.loads(config.read_text()).get("max_position_embeddings")
+    return None

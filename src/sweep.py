@@ -1,0 +1,663 @@
+"""The sweep engine behind `hydra/sweeper=optuna`: Optuna asks, each trial runs in a fresh process on a slot
+of its own, the outcome (or the way the process died) is classified and told back, MLflow records it all.
+
+- Slots: GPUs found (or `devices`), `gpus_per_trial` whole cards each, `slots_per_gpu` trials per card; CPU
+  slots where there is no GPU. One worker thread per slot asks for the next trial as soon as its slot is
+  free: no batch barrier.
+- Isolation: every trial is `python -m src.train` in its own process group (a poisoned CUDA context dies
+  with it); it is killed with its group past `trial_timeout_s`, or after `stall_timeout_s` without a step.
+- Learning: failures caused by the setting itself (OOM, refused data or config) are told as COMPLETE with a
+  violated constraint (measured: what the trial needed over the budget), so TPE and NSGA-II rank that
+  region below every feasible one; other failures are FAIL. Nothing a trial does stops the sweep.
+- Resume and many workers: the study lives in an Optuna RDB storage; a new trial is asked only while the
+  study holds fewer than `n_trials` finished + running trials (under a lock), heartbeats mark live trials,
+  and trials of dead workers are failed at start-up with their MLflow runs closed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections import Counter
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from filelock import FileLock
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.utils import get_method, instantiate
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
+from optuna.trial import TrialState
+
+from src import tracking
+from src.failures import MEMORY, STICKY_CUDA, classify_exit, first_line
+from src.trial import PROGRESS_FILE, RESULT_FILE
+
+log = logging.getLogger(__name__)
+
+# Failures that the setting itself causes, the same way every time: the sampler must steer away from them.
+SETTING_FAILURES = (*MEMORY, "data_error", "config_error")
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+# ---- search space -------------------------------------------------------------------------------------------
+
+
+def distribution(override: Override) -> BaseDistribution | Any:
+    """An Optuna distribution from hydra-optuna-sweeper's grammar (choice, range, interval, tag(log, ...))."""
+    if not override.is_sweep_override():
+        return override.value()
+    value = override.value()
+    if override.is_choice_sweep():
+        choices = [c if isinstance(c, str | int | float | bool) or c is None else str(c) for c in value.list]
+        return CategoricalDistribution(choices)
+    if override.is_range_sweep():
+        ints = all(isinstance(x, int) for x in (value.start, value.stop, value.step))
+        if ints:
+            return IntDistribution(int(value.start), int(value.stop) - int(value.step), step=int(value.step))
+        return FloatDistribution(value.start, value.stop - value.step, step=value.step)
+    if override.is_interval_sweep():
+        log_scale = "log" in value.tags
+        if isinstance(value.start, int) and isinstance(value.end, int):
+            return IntDistribution(value.start, value.end, log=log_scale)
+        return FloatDistribution(value.start, value.end, log=log_scale)
+    raise ValueError(f"hydra.sweeper.params: cannot turn '{override.input_line}' into a search space")
+
+
+def format_value(value: Any) -> str:
+    """A Python value as Hydra override text."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(value)
+
+
+def split_arguments(arguments: list[str], params: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """Command-line overrides: plain ones go to every trial, sweep ones join (and win over) `params`."""
+    parser = OverridesParser.create()
+    fixed: list[str] = []
+    space = {key: distribution(parser.parse_override(f"{key}={value}")) for key, value in params.items()}
+    for override in parser.parse_overrides(arguments):
+        if override.is_sweep_override():
+            space[override.get_key_element()] = distribution(override)
+        else:
+            fixed.append(override.input_line)
+    return fixed, space
+
+
+# ---- slots --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    env: dict[str, str]
+
+
+def discover_slots(sweeper: DictConfig) -> list[Slot]:
+    devices = list(sweeper.devices) if sweeper.devices is not None else _visible_gpus()
+    if not devices:
+        threads = str(max(1, (os.cpu_count() or 1) // max(1, sweeper.cpu_slots)))
+        return [Slot(f"cpu{i}", {"OMP_NUM_THREADS": threads}) for i in range(sweeper.cpu_slots)]
+    per = sweeper.gpus_per_trial
+    groups = [devices[i : i + per] for i in range(0, len(devices) - per + 1, per)]
+    copies = sweeper.slots_per_gpu if per == 1 else 1
+    return [
+        Slot(
+            f"cuda{','.join(map(str, g))}" + (f"#{c}" if copies > 1 else ""),
+            {"CUDA_VISIBLE_DEVICES": ",".join(map(str, g))},
+        )
+        for g in groups
+        for c in range(copies)
+    ]
+
+
+def _visible_gpus() -> list[int]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [int(x) for x in visible.split(",") if x.strip().isdigit()]
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return list(range(pynvml.nvmlDeviceGetCount()))
+    except Exception:
+        return []
+
+
+# ---- one trial process ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    status: str  # ok | failed
+    metrics: dict[str, float] = field(default_factory=dict)
+    failure: dict[str, Any] | None = None
+    recorded: bool = True  # the trial ended its MLflow run itself
+    attention_kernel: str | None = None
+    log_dir: Path | None = None
+
+
+def _child_setup() -> None:
+    """In the trial process: its own process group (killed as one), and death when the engine dies."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _tail(path: Path, limit: int = 20000) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - limit))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def run_process(
+    overrides: list[str], log_dir: Path, env: dict[str, str], sweeper: DictConfig, heartbeat: Any = None
+) -> Outcome:
+    """Run `python -m src.train overrides` in `log_dir`, watch it, and say how it ended."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (RESULT_FILE, PROGRESS_FILE):
+        (log_dir / stale).unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "src.train", *overrides, f"hydra.run.dir={log_dir}"]
+    (log_dir / "command.txt").write_text(tracking.redact_text(" ".join(cmd)) + "\n")
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env}
+    started = time.time()
+    timed_out = False
+    with (log_dir / "stdout.log").open("wb") as out, (log_dir / "stderr.log").open("wb") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env, preexec_fn=_child_setup)  # noqa: PLW1509
+        last_beat = 0.0
+        while proc.poll() is None:
+            time.sleep(0.2)
+            now = time.time()
+            if heartbeat and now - last_beat >= sweeper.heartbeat_interval_s:
+                heartbeat()
+                last_beat = now
+            progress = _read_json(log_dir / PROGRESS_FILE)
+            stalled = progress.get("phase") == "training" and now - progress.get("time", now) > sweeper.stall_timeout_s
+            if now - started > sweeper.trial_timeout_s or stalled:
+                timed_out = True
+                _kill_group(proc)
+    result = _read_json(log_dir / RESULT_FILE)
+    if result and not timed_out:
+        return Outcome(
+            status=result["status"],
+            metrics=result.get("metrics", {}),
+            failure=result.get("failure"),
+            attention_kernel=result.get("attention_kernel"),
+            log_dir=log_dir,
+        )
+    stderr = _tail(log_dir / "stderr.log")
+    progress = _read_json(log_dir / PROGRESS_FILE)
+    kind = classify_exit(proc.returncode, stderr, timed_out=timed_out)
+    step = progress.get("step", 0) + 1 if progress.get("phase") == "training" else None
+    if timed_out:
+        message = f"killed by the watchdog after {time.time() - started:.0f}s" + (
+            f" ({sweeper.stall_timeout_s:g}s without a step)" if progress.get("phase") == "training" else ""
+        )
+    else:
+        sig = -proc.returncode if proc.returncode < 0 else None
+        message = first_line(_last_error_line(stderr)) or (
+            f"process ended by signal {signal.Signals(sig).name}" if sig else f"process exited with {proc.returncode}"
+        )
+    return Outcome("failed", failure={"kind": kind, "message": message, "step": step}, recorded=False, log_dir=log_dir)
+
+
+def _last_error_line(stderr: str) -> str:
+    for line in reversed(stderr.strip().splitlines()):
+        if any(w in line for w in ("Error", "error", "Fatal", "fault", "Killed")):
+            return line
+    return ""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# ---- the engine -------------------------------------------------------------------------------------------------
+
+
+class SweepEngine:
+    def __init__(self, config: DictConfig, arguments: list[str]) -> None:
+        self.config = config
+        self.sweeper = config.hydra.sweeper
+        self.study_name = str(self.sweeper.study_name)
+        self.study_dir = Path(config.paths.sweeps_dir) / self.study_name
+        self.objectives = _as_list(self.sweeper.objectives)
+        self.directions = _as_list(self.sweeper.direction)
+        if len(self.directions) != len(self.objectives):
+            raise ValueError(
+                f"hydra.sweeper.direction has {len(self.directions)} entries for {len(self.objectives)} objectives "
+                f"{self.objectives}; give one direction (maximize/minimize) per objective"
+            )
+        params = OmegaConf.to_container(self.sweeper.params, resolve=True) or {}
+        self.fixed, self.space = split_arguments(list(arguments), params)
+        self.distributions = {k: v for k, v in self.space.items() if isinstance(v, BaseDistribution)}
+        self.fixed += [f"{k}={format_value(v)}" for k, v in self.space.items() if not isinstance(v, BaseDistribution)]
+        self.custom = get_method(self.sweeper.custom_search_space) if self.sweeper.custom_search_space else None
+        self.budget = float(config.hardware.vram_budget_gib)
+        self.lock = threading.Lock()
+        self.host = socket.gethostname()
+        self.counts: Counter[str] = Counter()
+        self.best: tuple[float, int] | None = None
+
+    # -- storage and study --
+
+    def storage_url(self) -> str:
+        return self.sweeper.storage or f"sqlite:///{(self.study_dir / 'optuna.db').resolve()}"
+
+    def open_study(self) -> optuna.Study:
+        self.study_dir.mkdir(parents=True, exist_ok=True)
+        url = self.storage_url()
+        engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+        self.storage = optuna.storages.RDBStorage(
+            url,
+            engine_kwargs=engine_kwargs,
+            heartbeat_interval=self.sweeper.heartbeat_interval_s,
+            grace_period=self.sweeper.grace_period_s,
+        )
+        sampler_cfg = OmegaConf.to_container(self.sweeper.sampler, resolve=True) if self.sweeper.sampler else None
+        if (
+            sampler_cfg
+            and sampler_cfg.get("_target_", "").endswith("GridSampler")
+            and not sampler_cfg.get("search_space")
+        ):
+            sampler_cfg["search_space"] = {
+                k: list(d.choices) for k, d in self.distributions.items() if isinstance(d, CategoricalDistribution)
+            }
+        sampler = instantiate(sampler_cfg) if sampler_cfg else None
+        return optuna.create_study(
+            study_name=self.study_name,
+            storage=self.storage,
+            sampler=sampler,
+            directions=self.directions,
+            load_if_exists=True,
+        )
+
+    def ask_lock(self) -> AbstractContextManager:
+        """Serializes count-then-ask across every worker of the study (all sweeps on this host for SQLite)."""
+        return FileLock(str(self.study_dir / ".ask.lock"))
+
+    def occupied(self, study: optuna.Study) -> int:
+        trials = study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+        return sum(1 for t in trials if not t.user_attrs.get("retried"))
+
+    # -- MLflow --
+
+    def open_parent(self, study: optuna.Study) -> None:
+        from mlflow.tracking import MlflowClient
+
+        tracking.setup(self.config.tracking.uri)
+        self.client = MlflowClient()
+        self.experiment_id = tracking.experiment_id(
+            self.study_name, str(Path(self.config.paths.mlruns_dir) / "artifacts")
+        )
+        parent = study.user_attrs.get("mlflow_parent_run_id")
+        if parent is None or self._run_missing(parent):
+            parent = self.client.create_run(
+                self.experiment_id,
+                run_name=f"sweep-{self.study_name}",
+                tags={"optuna.study": self.study_name, "sweep.role": "parent"},
+            ).info.run_id
+            study.set_user_attr("mlflow_parent_run_id", parent)
+        else:
+            self.client.update_run(parent, status="RUNNING")
+        self.parent = parent
+        tracking.set_tags(
+            self.client,
+            parent,
+            {
+                "sweep.search_space": json.dumps({k: repr(v) for k, v in self.distributions.items()}),
+                "sweep.objectives": json.dumps(dict(zip(self.objectives, self.directions, strict=True))),
+                "sweep.storage": self.storage_url(),
+                "sweep.n_trials": self.sweeper.n_trials,
+                "vram_budget_gib": self.budget,
+            },
+        )
+
+    def _run_missing(self, run_id: str) -> bool:
+        try:
+            self.client.get_run(run_id)
+            return False
+        except Exception:
+            return True
+
+    def child_run(self, trial: optuna.Trial, slot: Slot) -> str:
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"trial-{trial.number:03d}",
+            tags={
+                "mlflow.parentRunId": self.parent,
+                "optuna.study": self.study_name,
+                "optuna.trial": str(trial.number),
+                "sweep.slot": slot.name,
+            },
+        )
+        return run.info.run_id
+
+    # -- recovery --
+
+    def recover(self, study: optuna.Study) -> None:
+        """Fail trials whose worker is gone (this host: its pid is dead; elsewhere: heartbeat expired)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t.user_attrs.get("worker.host") == self.host and not _alive(
+                t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started")
+            ):
+                self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+            if "failure.kind" in t.user_attrs:
+                continue
+            run_id = t.user_attrs.get("mlflow_run_id")
+            failure = {"kind": "killed", "message": "the sweep worker running this trial died", "step": None}
+            for key, value in _attrs(failure).items():
+                self.storage.set_trial_user_attr(t._trial_id, key, value)
+            if run_id and self.client.get_run(run_id).info.status == "RUNNING":
+                tracking.close_failed(self.client, run_id, failure, status="KILLED")
+            if self.sweeper.retry_failed_trials:
+                study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+                self.storage.set_trial_user_attr(t._trial_id, "retried", True)
+            log.warning("trial %d was left running by a dead worker: failed (killed)", t.number)
+
+    # -- the loop --
+
+    def run(self) -> None:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = self.open_study()
+        self.open_parent(study)
+        with self.ask_lock():
+            self.recover(study)
+            self.enqueue(study)
+        slots = discover_slots(self.sweeper)
+        n_workers = min(len(slots), self.sweeper.n_jobs or len(slots))
+        self.refresh_counts(study)
+        self.progress = _progress(self.sweeper, self.study_name, self.counts["finished"])
+        log.info(
+            "study %s: %d slots (%s), storage %s",
+            self.study_name,
+            n_workers,
+            ", ".join(s.name for s in slots[:n_workers]),
+            self.storage_url(),
+        )
+        workers = [threading.Thread(target=self.worker, args=(study, slot), daemon=True) for slot in slots[:n_workers]]
+        try:
+            for w in workers:
+                w.start()
+            for w in workers:
+                while w.is_alive():
+                    w.join(timeout=0.5)
+        finally:
+            self.progress.close()
+            self.refresh_counts(study)
+            self.log_parent_counts()
+            self.client.set_terminated(self.parent, "FINISHED")
+        self.print_summary(study)
+
+    def enqueue(self, study: optuna.Study) -> None:
+        for params in self.sweeper.enqueue_trials or []:
+            params = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else dict(params)
+            study.enqueue_trial(params, skip_if_exists=True)
+
+    def worker(self, study: optuna.Study, slot: Slot) -> None:
+        while True:
+            with self.ask_lock():
+                if self.occupied(study) >= self.sweeper.n_trials:
+                    return
+                trial = study.ask(self.distributions)
+                trial.set_user_attr("worker.host", self.host)
+                trial.set_user_attr("worker.pid", os.getpid())
+                trial.set_user_attr("worker.started", _create_time(os.getpid()))
+            try:
+                self.run_trial(study, trial, slot)
+            except Exception as exc:  # the engine's own trouble: record it on the trial, keep sweeping
+                log.exception("trial %d: engine error", trial.number)
+                study.tell(trial, state=TrialState.FAIL)
+                self.storage.set_trial_user_attr(trial._trial_id, "failure.kind", "other")
+                self.storage.set_trial_user_attr(trial._trial_id, "failure.message", first_line(str(exc)))
+
+    def run_trial(self, study: optuna.Study, trial: optuna.Trial, slot: Slot) -> None:
+        extra = (self.custom(self.config, trial) or {}) if self.custom else {}
+        params = {**trial.params, **extra}
+        run_id = self.child_run(trial, slot)
+        trial.set_user_attr("mlflow_run_id", run_id)
+        trial.set_user_attr("sweep.slot", slot.name)
+        original = self.finished_twin(study, trial) if self.sweeper.skip_duplicates else None
+        if original is not None:
+            self.skip(study, trial, original, run_id)
+            return
+        overrides = [
+            *self.sweeper.trial_overrides,
+            *self.fixed,
+            *(f"{k}={format_value(v)}" for k, v in params.items()),
+        ]
+        log_dir = self.study_dir / "trials" / f"{trial.number:03d}"
+        env = {**slot.env, "MLFLOW_RUN_ID": run_id, "QLORA_OPTUNA_TRIAL": str(trial.number)}
+        heartbeat = lambda: self.storage.record_heartbeat(trial._trial_id)  # noqa: E731
+        with self.lock:
+            self.counts["running"] += 1
+            self.update_progress()
+        outcome = run_process(overrides, log_dir, env, self.sweeper, heartbeat)
+        if outcome.failure and outcome.failure["kind"] in STICKY_CUDA and self.sweeper.launch_blocking_rerun:
+            outcome = self.rerun_launch_blocking(overrides, log_dir, env, run_id, outcome, heartbeat)
+        if not outcome.recorded:
+            tracking.log_text(self.client, run_id, _tail(log_dir / "stderr.log"), "stderr_tail.txt")
+            tracking.log_metrics(self.client, run_id, {**outcome.metrics, "vram_budget_gib": self.budget})
+            status = "KILLED" if outcome.failure["kind"] in ("killed", "timeout") else "FAILED"
+            tracking.close_failed(self.client, run_id, outcome.failure, status=status)
+        self.tell(study, trial, outcome, run_id)
+
+    def finished_twin(self, study: optuna.Study, trial: optuna.Trial) -> optuna.trial.FrozenTrial | None:
+        """An earlier measured trial with exactly these settings (samplers over small spaces repeat points)."""
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if (
+                t.number != trial.number
+                and t.params == trial.params
+                and t.user_attrs.get("trial.status") in ("ok", "failed")
+            ):
+                return t
+        return None
+
+    def skip(self, study: optuna.Study, trial: optuna.Trial, original: optuna.trial.FrozenTrial, run_id: str) -> None:
+        """Not launched: the same setting was measured in trial `original`; its outcome is told again."""
+        trial.set_user_attr("trial.status", "skipped")
+        trial.set_user_attr("skipped.duplicate_of", original.number)
+        for key, value in original.constraints.items():
+            trial.set_constraint(key, value)
+        tracking.set_tags(self.client, run_id, {"trial.status": "skipped", "skipped.duplicate_of": original.number})
+        self.client.set_terminated(run_id, "FINISHED")
+        study.tell(trial, original.values)
+        with self.lock:
+            self.refresh_counts(study)
+            self.log_parent_counts()
+            self.progress.update(1)
+            self.update_progress()
+
+    def rerun_launch_blocking(
+        self, overrides: list[str], log_dir: Path, env: dict[str, str], run_id: str, first: Outcome, heartbeat: Any
+    ) -> Outcome:
+        """The seed answer's first step, automated: the same trial once more with CUDA_LAUNCH_BLOCKING=1, so the
+        recorded stack points at the kernel that failed. The first attempt's kind stays the trial's."""
+        second = run_process(
+            overrides, log_dir / "launch_blocking", {**env, "CUDA_LAUNCH_BLOCKING": "1"}, self.sweeper, heartbeat
+        )
+        tags = {
+            "failure.kind": first.failure["kind"],
+            "failure.message": first.failure["message"],
+            "failure.step": first.failure.get("step"),
+            "failure.launch_blocking.kind": second.failure["kind"] if second.failure else "none (passed)",
+            "failure.launch_blocking.message": second.failure["message"] if second.failure else "",
+            "trial.status": "failed",
+        }
+        tracking.set_tags(self.client, run_id, tags)
+        if second.recorded:
+            self.client.set_terminated(run_id, "FAILED")
+        first.recorded = first.recorded and second.recorded
+        first.failure["launch_blocking_kind"] = tags["failure.launch_blocking.kind"]
+        return first
+
+    def tell(self, study: optuna.Study, trial: optuna.Trial, outcome: Outcome, run_id: str) -> None:
+        m = outcome.metrics
+        for key, value in {**m, **_attrs(outcome.failure)}.items():
+            trial.set_user_attr(key, value)
+        trial.set_user_attr("trial.status", outcome.status)
+        if outcome.attention_kernel:
+            trial.set_user_attr("attention.kernel", outcome.attention_kernel)
+        kind = outcome.failure["kind"] if outcome.failure else None
+        if outcome.status == "ok" and all(o in m for o in self.objectives):
+            trial.set_constraint("vram_budget", m.get("peak_vram_reserved_gib", 0.0) / self.budget - 1.0)
+            study.tell(trial, [m[o] for o in self.objectives])
+        elif kind in SETTING_FAILURES:
+            trial.set_constraint("vram_budget" if kind in MEMORY else "valid_setting", self.violation(kind, m))
+            worst = [0.0 if d == "maximize" else float("inf") for d in self.directions]
+            study.tell(
+                trial,
+                [m.get(o, w) if o.startswith("peak_vram") else w for o, w in zip(self.objectives, worst, strict=True)],
+            )
+        else:
+            study.tell(trial, state=TrialState.FAIL)
+        with self.lock:
+            self.counts["running"] -= 1
+            self.refresh_counts(study)
+            self.log_parent_counts()
+            self.progress.update(1)
+            self.update_progress()
+
+    def violation(self, kind: str, m: dict[str, float]) -> float:
+        """How far the setting is from feasible: for an OOM, what it held plus what it asked for, over the
+        budget (at least a hair above 0: it did fail); for a refused setting, 1."""
+        if kind not in MEMORY:
+            return 1.0
+        needed = m.get("peak_vram_reserved_gib", self.budget) + m.get("oom_request_gib", 0.0)
+        return max(needed / self.budget - 1.0, 0.01)
+
+    # -- reporting --
+
+    def refresh_counts(self, study: optuna.Study) -> None:
+        running = self.counts["running"]
+        self.counts = Counter(running=running)
+        best = None
+        for t in study.get_trials(deepcopy=False, states=FINISHED):
+            if t.user_attrs.get("retried"):
+                continue
+            self.counts["finished"] += 1
+            status = t.user_attrs.get("trial.status")
+            if status == "skipped":
+                self.counts["skipped"] += 1
+            elif status == "ok":
+                self.counts["ok"] += 1
+                value = t.user_attrs.get(self.objectives[0])
+                if value is not None and (best is None or (value > best[0]) == (self.directions[0] == "maximize")):
+                    best = (value, t.number)
+            else:
+                self.counts[f"failed_{t.user_attrs.get('failure.kind', 'other')}"] += 1
+                self.counts["failed"] += 1
+        self.best = best
+
+    def log_parent_counts(self) -> None:
+        metrics = {f"trials_{k}": float(v) for k, v in self.counts.items() if k != "running"}
+        tracking.log_metrics(self.client, self.parent, metrics, step=self.counts["finished"])
+
+    def update_progress(self) -> None:
+        failed = " ".join(f"{k[7:]}={v}" for k, v in sorted(self.counts.items()) if k.startswith("failed_"))
+        best = f" best={self.best[0]:.4g} {self.objectives[0]} (#{self.best[1]})" if self.best else ""
+        skipped = f" skipped={self.counts['skipped']}" if self.counts["skipped"] else ""
+        self.progress.set_postfix_str(
+            f"running={self.counts['running']} ok={self.counts['ok']}{skipped} {failed}{best}".strip()
+        )
+
+    def print_summary(self, study: optuna.Study) -> None:
+        failed = ", ".join(f"{v} {k[7:]}" for k, v in sorted(self.counts.items()) if k.startswith("failed_"))
+        print(
+            f"\nstudy '{self.study_name}': {self.counts['finished']} trials finished, {self.counts['ok']} ok, "
+            f"{self.counts['skipped']} skipped as repeats" + (f", failed: {failed}" if failed else "")
+        )
+        if self.best:
+            print(f"best {self.objectives[0]}: {self.best[0]:.4g} (trial {self.best[1]})")
+        print(f"storage: {self.storage_url()}  |  MLflow: {self.config.tracking.uri} (experiment '{self.study_name}')")
+        print(f"trial logs: {self.study_dir / 'trials'}  |  map: python -m src.report {self.study_name}")
+
+
+def _as_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def _attrs(failure: dict[str, Any] | None) -> dict[str, Any]:
+    if not failure:
+        return {}
+    return {f"failure.{k}": v for k, v in failure.items() if v is not None}
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:
+        return None
+
+
+def _alive(pid: int | None, started: float | None) -> bool:
+    if pid is None:
+        return False
+    created = _create_time(int(pid))
+    return created is not None and (started is None or abs(created - started) < 1.0)
+
+
+def _progress(sweeper: DictConfig, study_name: str, done: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=sweeper.n_trials,
+        initial=min(done, sweeper.n_trials),
+        desc=study_name,
+        unit="trial",
+        disable=not sweeper.progress,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
