@@ -74,17 +74,17 @@ class NvmlSampler(threading.Thread):
         super().__init__(daemon=True)
         self.interval = interval
         self.peak = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             used = _nvml_process_bytes()
             if used is not None:
                 self.peak = max(self.peak, used)
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def stop(self) -> float | None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=2)
         return self.peak / GIB if self.peak else None
 
@@ -181,10 +181,11 @@ def _max_rss_gib() -> float:
 
 
 class AttentionProbe(TrainerCallback):
-    """Profiles one step to record which scaled-dot-product-attention kernel actually ran.
+    """Records which scaled-dot-product-attention kernel the model's attention actually dispatched to.
 
     SDPA silently falls back to its quadratic-memory math path when, e.g., activations are fp32; only the
-    dispatched aten op says which path it took.
+    dispatched aten op says which path ran. The profiler wraps one forward of the first attention module at
+    step `at_step` (a warm-up step): profiling a whole 8B step costs seconds, one attention call nothing.
     """
 
     OPS = {
@@ -193,25 +194,38 @@ class AttentionProbe(TrainerCallback):
         "aten::_scaled_dot_product_cudnn_attention": "cudnn",
         "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
         "aten::_scaled_dot_product_attention_math": "math",
+        "aten::_efficient_attention_forward": "efficient",
+        "aten::_flash_attention_forward": "flash",
     }
 
     def __init__(self, at_step: int) -> None:
         self.at_step = at_step
         self.kernels: set[str] = set()
+        self._hooks: list[Any] = []
         self._prof: Any = None
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step + 1 == self.at_step:
-            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            self._prof.__enter__()
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.global_step + 1 != self.at_step or model is None:
+            return
+        attention = next((m for m in model.modules() if type(m).__name__.endswith("Attention")), None)
+        if attention is not None:
+            self._hooks = [attention.register_forward_pre_hook(self._start), attention.register_forward_hook(self._stop)]
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._prof is not None:
-            self._prof.__exit__(None, None, None)
-            names = {evt.key for evt in self._prof.key_averages()}
-            self.kernels = {kind for op, kind in self.OPS.items() if op in names}
-            self._prof = None
+    def _start(self, *_: Any) -> None:
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._prof.__enter__()
+
+    def _stop(self, *_: Any) -> None:
+        if self._prof is None:
+            return
+        self._prof.__exit__(None, None, None)
+        names = {evt.name for evt in self._prof.events()}
+        self.kernels = {kind for op, kind in self.OPS.items() if op in names} or {"unknown"}
+        self._prof = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     @property
     def tag(self) -> str:
-        return ",".join(sorted(self.kernels)) or "none_seen"
+        return ",".join(sorted(self.kernels)) or "not_profiled"

@@ -92,17 +92,22 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def split_arguments(arguments: list[str], params: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
-    """Command-line overrides: plain ones go to every trial, sweep ones join (and win over) `params`."""
+def split_arguments(
+    arguments: list[str], params: dict[str, Any], default_params: dict[str, Any]
+) -> tuple[list[str], dict[str, Any]]:
+    """Command-line overrides: plain ones go to every trial, sweep ones join (and win over) `params`.
+    `default_params` is the space only when neither `params` nor the command line defines one."""
     parser = OverridesParser.create()
     fixed: list[str] = []
-    space = {key: distribution(parser.parse_override(f"{key}={value}")) for key, value in params.items()}
+    cli_space: dict[str, Any] = {}
     for override in parser.parse_overrides(arguments):
         if override.is_sweep_override():
-            space[override.get_key_element()] = distribution(override)
+            cli_space[override.get_key_element()] = distribution(override)
         else:
             fixed.append(override.input_line)
-    return fixed, space
+    base = params if (params or cli_space) else default_params
+    space = {key: distribution(parser.parse_override(f"{key}={value}")) for key, value in base.items()}
+    return fixed, {**space, **cli_space}
 
 
 # ---- slots --------------------------------------------------------------------------------------------------
@@ -273,7 +278,8 @@ class SweepEngine:
                 f"{self.objectives}; give one direction (maximize/minimize) per objective"
             )
         params = OmegaConf.to_container(self.sweeper.params, resolve=True) or {}
-        self.fixed, self.space = split_arguments(list(arguments), params)
+        defaults = OmegaConf.to_container(self.sweeper.default_params, resolve=True) or {}
+        self.fixed, self.space = split_arguments(list(arguments), params, defaults)
         self.distributions = {k: v for k, v in self.space.items() if isinstance(v, BaseDistribution)}
         self.fixed += [f"{k}={format_value(v)}" for k, v in self.space.items() if not isinstance(v, BaseDistribution)]
         self.custom = get_method(self.sweeper.custom_search_space) if self.sweeper.custom_search_space else None
@@ -407,12 +413,15 @@ class SweepEngine:
 
     def run(self) -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        # Heartbeats are recorded by our own watch loop, not Study.optimize's thread: that is intended.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
         study = self.open_study()
         self.open_parent(study)
         with self.ask_lock():
             self.recover(study)
             self.enqueue(study)
         slots = discover_slots(self.sweeper)
+        self.prepare(slots[0])
         n_workers = min(len(slots), self.sweeper.n_jobs or len(slots))
         self.refresh_counts(study)
         self.progress = _progress(self.sweeper, self.study_name, self.counts["finished"])
@@ -436,6 +445,28 @@ class SweepEngine:
             self.log_parent_counts()
             self.client.set_terminated(self.parent, "FINISHED")
         self.print_summary(study)
+
+    def prepare(self, slot: Slot) -> None:
+        """Build the model (random models) and its 4-bit copy once, before any trial: trials then only load it,
+        and no trial's peak includes the build."""
+        log_dir = self.study_dir / "prepare"
+        cmd = [
+            sys.executable,
+            "-m",
+            "src.models",
+            *self.sweeper.trial_overrides,
+            *self.fixed,
+            f"hydra.run.dir={log_dir}",
+        ]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with (log_dir / "prepare.log").open("wb") as out:
+            done = subprocess.run(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **slot.env}, check=False
+            )
+        if done.returncode != 0:
+            log.warning(
+                "model preparation failed (see %s); each trial will report the problem itself", log_dir / "prepare.log"
+            )
 
     def enqueue(self, study: optuna.Study) -> None:
         for params in self.sweeper.enqueue_trials or []:

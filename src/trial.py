@@ -160,7 +160,13 @@ def _record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Fail
     client, run_id = state["client"], state["run_id"]
     meas = state.get("meas")
     budget = float(cfg.hardware.vram_budget_gib)
-    metrics: dict[str, float] = meas.summary() if meas else {}
+    try:
+        metrics: dict[str, float] = meas.summary() if meas else {}
+    except Exception as exc:  # a measurement bug must not lose the trial's outcome
+        tracking.log_text(client, run_id, traceback.format_exc(), "measurement_error.txt")
+        metrics = {}
+        if failure is None:
+            failure = Failure("other", first_line(f"measurement failed: {type(exc).__name__}: {exc}"))
     metrics["vram_budget_gib"] = budget
     if "peak_vram_reserved_gib" in metrics:
         metrics["vram_headroom_frac"] = 1.0 - metrics["peak_vram_reserved_gib"] / budget

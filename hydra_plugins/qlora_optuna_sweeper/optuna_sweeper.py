@@ -29,6 +29,7 @@ class OptunaSweeperConf:
     n_trials: int = 16
     n_jobs: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    default_params: dict[str, Any] = field(default_factory=dict)
     custom_search_space: str | None = None
     enqueue_trials: list[Any] = field(default_factory=list)
     trial_overrides: list[str] = field(default_factory=list)
