@@ -70,6 +70,13 @@ _PATTERNS = [
     ("nccl", r"\bNCCL\b|ncclSystemError|ncclInternalError|ncclUnhandledCudaError|ProcessGroupNCCL"),
     ("nan_loss", r"NanLossError|loss (is|became) (nan|inf)"),
     ("segfault", r"Segmentation fault|SIGSEGV|Fatal Python error: (Segmentation|Bus error)"),
+    # Hydra/OmegaConf refusing the composed config (a trial process that died before it could record)
+    (
+        "config_error",
+        r"Could not override|Error merging override|ConfigCompositionException|ValidationError|"
+        r"MissingMandatoryValue|is not in struct|Could not find '|Could not append to config",
+    ),
+    ("data_error", r"DataError"),
 ]
 _COMPILED = [(kind, re.compile(pat, re.IGNORECASE)) for kind, pat in _PATTERNS]
 

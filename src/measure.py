@@ -209,7 +209,10 @@ class AttentionProbe(TrainerCallback):
             return
         attention = next((m for m in model.modules() if type(m).__name__.endswith("Attention")), None)
         if attention is not None:
-            self._hooks = [attention.register_forward_pre_hook(self._start), attention.register_forward_hook(self._stop)]
+            self._hooks = [
+                attention.register_forward_pre_hook(self._start),
+                attention.register_forward_hook(self._stop),
+            ]
 
     def _start(self, *_: Any) -> None:
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])

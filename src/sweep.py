@@ -491,8 +491,9 @@ class SweepEngine:
                 self.storage.set_trial_user_attr(trial._trial_id, "failure.message", first_line(str(exc)))
 
     def run_trial(self, study: optuna.Study, trial: optuna.Trial, slot: Slot) -> None:
+        # A custom space's own suggestions stay in Optuna; what it returns is what the trial gets.
         extra = (self.custom(self.config, trial) or {}) if self.custom else {}
-        params = {**trial.params, **extra}
+        params = {**{k: v for k, v in trial.params.items() if k in self.distributions}, **extra}
         run_id = self.child_run(trial, slot)
         trial.set_user_attr("mlflow_run_id", run_id)
         trial.set_user_attr("sweep.slot", slot.name)

@@ -84,6 +84,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     # The probe first: its profiler teardown then falls inside its own (warm-up) step, not the next one.
     for callback in (probe, meas, FaultInjector(cfg.fault.kind, cfg.fault.step)):
         trainer.add_callback(callback)
+    state["trainer"] = trainer
     state["first_step_after_s"] = time.time() - state["t0"]
     trainer.train()
     if cfg.trainer.save_adapter:
@@ -126,6 +127,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             # the step that was running: one past the last completed, once training had begun
             step=meas.step + 1 if meas and _phase(out_dir) == "training" else None,
         )
+        if failure.kind == "nan_loss" and meas:
+            failure.step = meas.step  # the loss is checked after its step completed
         name = "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt"
         tracking.log_text(client, run_id, traceback.format_exc(), name)
         if isinstance(exc, KeyboardInterrupt):

@@ -1,0 +1,96 @@
+"""Every shipped config composes; typos and wrong types fail at compose time naming the key; the users' old
+knob names reach today's library fields through the one mapping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from src.config import sft_kwargs
+from src.sweep import split_arguments
+from tests.conftest import CONF, compose_cfg, run_cli
+
+GROUPS = ["model", "lora", "data", "trainer", "measure", "hardware", "tracking", "fault", "preflight", "paths"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)], ids=lambda x: str(x))
+def test_every_option_composes(group: str, option: str, root: Path) -> None:
+    cfg = compose_cfg([f"{group}={option}", "trainer.output_dir=/tmp/unused"])
+    task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # hydra.* holds run-time values
+    resolved = OmegaConf.to_container(task, resolve=True, throw_on_missing=True)
+    assert resolved[group]
+
+
+def test_defaults_reproduce_the_seed_recipe(root: Path) -> None:
+    cfg = compose_cfg(["trainer.output_dir=/tmp/unused"])
+    q = cfg.model.quantization
+    assert (q.bnb_4bit_quant_type, q.bnb_4bit_use_double_quant, q.bnb_4bit_compute_dtype) == ("nf4", True, "bfloat16")
+    assert (cfg.lora.r, cfg.lora.lora_alpha, cfg.lora.lora_dropout) == (16, 32, 0.05)
+    assert len(cfg.lora.target_modules) == 7
+    t = cfg.trainer
+    assert (t.optim, t.learning_rate, t.per_device_train_batch_size, t.gradient_accumulation_steps) == (
+        "paged_adamw_32bit",
+        2e-5,
+        1,
+        2,
+    )
+    assert t.warmup_steps > 0 and t.group_by_length and cfg.data.max_seq_length == 1024
+
+
+@pytest.mark.parametrize("space", _options("sweep"))
+def test_every_search_space_composes_and_parses(space: str, root: Path) -> None:
+    cfg = compose_cfg(["hydra/sweeper=optuna", f"sweep={space}", "trainer.output_dir=/tmp/unused"])
+    sweeper = cfg.hydra.sweeper
+    params = OmegaConf.to_container(sweeper.params, resolve=True)
+    _, distributions = split_arguments([], params, OmegaConf.to_container(sweeper.default_params))
+    assert {"data.max_seq_length", "lora.r"} <= set(distributions)
+
+
+def test_bare_optuna_sweeper_sweeps_the_seed_knobs(root: Path) -> None:
+    cfg = compose_cfg(["hydra/sweeper=optuna", "trainer.output_dir=/tmp/unused"])
+    s = cfg.hydra.sweeper
+    _, space = split_arguments([], OmegaConf.to_container(s.params), OmegaConf.to_container(s.default_params))
+    assert set(space) == {
+        "data.max_seq_length",
+        "trainer.gradient_accumulation_steps",
+        "lora.r",
+        "trainer.group_by_length",
+    }
+    # Command-line sweep overrides define the space on their own, and plain ones go to every trial.
+    fixed, space = split_arguments(
+        ["lora.r=choice(4,8)", "model=tiny_llama"], {}, OmegaConf.to_container(s.default_params)
+    )
+    assert set(space) == {"lora.r"} and fixed == ["model=tiny_llama"]
+    assert list(space["lora.r"].choices) == [4, 8]
+
+
+def test_misspelled_key_fails_at_compose_naming_it(root: Path) -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_cfg(["lora.rnak=8"])
+    assert "lora.rnak" in str(err.value) or "rnak" in str(err.value.__cause__)
+
+
+def test_wrong_type_fails_naming_the_key_on_the_cli(root: Path) -> None:
+    done = run_cli("src.train", "lora.r=sixteen", root=root, timeout=60)
+    assert done.returncode != 0
+    assert "lora.r" in done.stderr and "sixteen" in done.stderr
+
+
+def test_users_words_map_to_todays_library_fields(root: Path) -> None:
+    from trl import SFTConfig
+
+    cfg = compose_cfg(["data.max_seq_length=777", "trainer.group_by_length=true", "trainer.output_dir=/tmp/x"])
+    kwargs = sft_kwargs(cfg, use_cpu=True)
+    assert kwargs["max_length"] == 777 and kwargs["train_sampling_strategy"] == "group_by_length"
+    assert "max_seq_length" not in kwargs and "group_by_length" not in kwargs
+    args = SFTConfig(**kwargs)  # the library accepts every field we pass
+    assert args.max_length == 777 and args.include_num_input_tokens_seen == "non_padding"
+    cfg = compose_cfg(["trainer.group_by_length=false", "trainer.output_dir=/tmp/x"])
+    assert sft_kwargs(cfg, use_cpu=True)["train_sampling_strategy"] == "random"

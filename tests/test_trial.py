@@ -1,0 +1,160 @@
+"""One trial of the tiny Llama: it trains 4-bit layers with LoRA, measures, records everything in MLflow, and
+ends its run FAILED with the right kind when it fails."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from src import failures, trial
+from src.data import probe_rows
+from tests.conftest import compose_cfg, run_cli
+
+CONTRACT_METRICS = {
+    "peak_vram_allocated_gib",
+    "peak_vram_reserved_gib",
+    "peak_rss_gib",
+    "vram_budget_gib",
+    "vram_headroom_frac",
+    "tokens_per_s",
+    "samples_per_s",
+    "step_time_s",
+    "train_loss",
+}
+
+
+def _only_run(client, experiment: str = "qlora-trials"):
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    return runs[0]
+
+
+def test_lora_moves_and_4bit_base_stays_frozen(root: Path) -> None:
+    from bitsandbytes.nn import Linear4bit
+
+    from src import models
+
+    out = root / "trial"
+    cfg = compose_cfg(["trainer=probe", "trainer.max_steps=3", "measure.warmup_steps=1", f"trainer.output_dir={out}"])
+    client, run_id = trial._open_run(cfg)
+    state = {"client": client, "run_id": run_id, "t0": time.time()}
+    out.mkdir()
+    trial._train(cfg, out, state)
+    trained = state["trainer"].model
+
+    fresh, _ = models.load(cfg)
+    base_layers = [m for m in fresh.modules() if isinstance(m, Linear4bit)]
+    assert len(base_layers) == 2 * 7, "every projection of both blocks is an NF4 layer"
+    # peft names a wrapped layer's frozen weight base_model.model.<name with .base_layer before .weight>
+    trained_base = {
+        n.removeprefix("base_model.model.").replace(".base_layer", ""): p for n, p in trained.named_parameters()
+    }
+    checked = 0
+    for name, param in fresh.named_parameters():
+        if "_proj" in name:  # the quantized projection weights, byte for byte
+            twin = trained_base[name]
+            assert torch.equal(param.data, twin.data), f"base weight {name} changed"
+            assert not twin.requires_grad
+            checked += 1
+    assert checked == 14
+    lora_b = [p for n, p in trained.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.requires_grad for p in lora_b)
+    assert sum(float(p.abs().sum()) for p in lora_b) > 0, "LoRA B starts at zero and must have moved"
+
+
+def test_trial_records_every_contract_metric_and_tag(root: Path, mlflow_client) -> None:
+    done = run_cli("src.train", "trainer=probe", "trainer.max_steps=5", root=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = _only_run(mlflow_client)
+    m, tags, params = run.data.metrics, run.data.tags, run.data.params
+    assert run.info.status == "FINISHED"
+    assert set(m) >= CONTRACT_METRICS, CONTRACT_METRICS - set(m)
+    assert m["tokens_per_s"] > 10 and m["samples_per_s"] > 0 and 0 < m["step_time_s"] < 30
+    assert 0.1 < m["peak_rss_gib"] < 24 and m["vram_budget_gib"] == 24
+    assert m["vram_headroom_frac"] == pytest.approx(1 - m["peak_vram_reserved_gib"] / 24)
+    assert math.isfinite(m["train_loss"]) and m["train_loss"] > 0
+    assert m["measured_steps"] == 3  # 5 steps, 2 of warm-up
+    assert m["data.tokens_min"] <= m["data.tokens_median"] <= m["data.tokens_p95"] <= m["data.tokens_max"]
+    assert tags["trial.status"] == "ok" and "failure.kind" not in tags
+    for key in (
+        "version.torch",
+        "version.transformers",
+        "version.trl",
+        "version.peft",
+        "version.bitsandbytes",
+        "gpu.name",
+    ):
+        assert tags[key]
+    assert tags["attention.kernel"] not in ("", "not_profiled")
+    assert params["lora.r"] == "16" and params["data.max_seq_length"] == "1024" and params["model.name"] == "tiny_llama"
+    steps = [x.step for x in mlflow_client.get_metric_history(run.info.run_id, "step_seconds")]
+    assert steps == [1, 2, 3, 4, 5]
+    result = json.loads(next((root / "sweeps" / "single").glob("*/result.json")).read_text())
+    assert result["status"] == "ok" and result["run_id"] == run.info.run_id
+
+
+def test_missing_data_file_is_a_clear_data_error(root: Path, mlflow_client) -> None:
+    done = run_cli("src.train", "data.path=/nowhere/seed.xlsx", root=root, timeout=120)
+    assert done.returncode == 1
+    assert "data.path" in done.stderr and "/nowhere/seed.xlsx" in done.stderr
+    run = _only_run(mlflow_client)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["failure.kind"] == "data_error" and run.data.tags["trial.status"] == "failed"
+
+
+def test_failing_trial_ends_failed_with_kind_step_and_traceback(root: Path, mlflow_client) -> None:
+    done = run_cli("src.train", "trainer=probe", "fault=nan_loss", "fault.step=3", root=root)
+    assert done.returncode == 1
+    run = _only_run(mlflow_client)
+    assert run.info.status == "FAILED"
+    tags = run.data.tags
+    assert tags["failure.kind"] == "nan_loss" and tags["failure.step"] == "3"
+    assert "loss became nan" in tags["failure.message"]
+    artifacts = {a.path for a in mlflow_client.list_artifacts(run.info.run_id)}
+    assert {"traceback.txt", "preflight.txt"} <= artifacts
+    assert "peak_rss_gib" in run.data.metrics, "what was measured before the failure is kept"
+
+
+def test_probe_rows_hold_the_longest_rows() -> None:
+    lengths = np.array([10, 500, 20, 30, 480, 40, 50, 60, 70, 80])
+    rows = probe_rows(lengths, n_rows=4, batch=2, seed=0)
+    assert len(rows) == 4 and {1, 4} <= set(rows.tolist())
+    assert probe_rows(lengths, n_rows=50, batch=2, seed=0).tolist() == list(range(10))
+
+
+@pytest.mark.parametrize(
+    "exc,kind",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom"),
+        (RuntimeError("CUDA error: unspecified launch failure\nCUDA kernel errors might be..."), "launch_failure"),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), "illegal_memory_access"),
+        (RuntimeError("CUDA error: operation not supported on global/shared address space"), "illegal_memory_access"),
+        (RuntimeError("CUDA error: device-side assert triggered"), "device_assert"),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling cublasGemmEx"), "cublas"),
+        (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error"), "nccl"),
+        (failures.NanLossError("loss became nan at step 4"), "nan_loss"),
+        (failures.DataError("data.path: file not found"), "data_error"),
+        (failures.ConfigError("trainer.torch_empty_cache_steps=1 ..."), "config_error"),
+        (ValueError("something nobody listed"), "other"),
+    ],
+)
+def test_exception_taxonomy(exc: BaseException, kind: str) -> None:
+    assert failures.classify_exception(exc) == kind
+
+
+def test_exit_taxonomy_and_oom_request() -> None:
+    assert failures.classify_exit(-11) == "segfault"
+    assert failures.classify_exit(-9) == "killed"
+    assert failures.classify_exit(1, "", timed_out=True) == "timeout"
+    assert failures.classify_exit(1, "Fatal Python error: Segmentation fault") == "segfault"
+    assert failures.classify_exit(1, "Could not override 'lora.rnak'.") == "config_error"
+    assert failures.classify_exit(1, "no idea") == "other"
+    assert failures.oom_request_gib("Tried to allocate 112.00 MiB. GPU 0") == pytest.approx(112 / 1024)
+    assert failures.oom_request_gib("Tried to allocate 2.00 GiB") == pytest.approx(2.0)
