@@ -93,10 +93,10 @@ def format_value(value: Any) -> str:
 
 
 def split_arguments(
-    arguments: list[str], params: dict[str, Any], default_params: dict[str, Any]
+    arguments: list[str], params: dict[str, Any], default_params: dict[str, Any], custom: bool = False
 ) -> tuple[list[str], dict[str, Any]]:
     """Command-line overrides: plain ones go to every trial, sweep ones join (and win over) `params`.
-    `default_params` is the space only when neither `params` nor the command line defines one."""
+    `default_params` is the space only when neither `params`, the command line nor a custom space defines one."""
     parser = OverridesParser.create()
     fixed: list[str] = []
     cli_space: dict[str, Any] = {}
@@ -105,7 +105,7 @@ def split_arguments(
             cli_space[override.get_key_element()] = distribution(override)
         else:
             fixed.append(override.input_line)
-    base = params if (params or cli_space) else default_params
+    base = params if (params or cli_space or custom) else default_params
     space = {key: distribution(parser.parse_override(f"{key}={value}")) for key, value in base.items()}
     return fixed, {**space, **cli_space}
 
@@ -279,7 +279,8 @@ class SweepEngine:
             )
         params = OmegaConf.to_container(self.sweeper.params, resolve=True) or {}
         defaults = OmegaConf.to_container(self.sweeper.default_params, resolve=True) or {}
-        self.fixed, self.space = split_arguments(list(arguments), params, defaults)
+        custom = bool(self.sweeper.custom_search_space)
+        self.fixed, self.space = split_arguments(list(arguments), params, defaults, custom)
         self.distributions = {k: v for k, v in self.space.items() if isinstance(v, BaseDistribution)}
         self.fixed += [f"{k}={format_value(v)}" for k, v in self.space.items() if not isinstance(v, BaseDistribution)]
         self.custom = get_method(self.sweeper.custom_search_space) if self.sweeper.custom_search_space else None
@@ -386,28 +387,31 @@ class SweepEngine:
     # -- recovery --
 
     def recover(self, study: optuna.Study) -> None:
-        """Fail trials whose worker is gone (this host: its pid is dead; elsewhere: heartbeat expired)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
+        """Fail trials whose worker is gone: on this host, its pid is dead; on any host, its heartbeat expired.
+
+        Their failure is written first (Optuna freezes a finished trial), their MLflow runs are closed as
+        KILLED, and with `retry_failed_trials` their settings are enqueued again.
+        """
+        stale = set(self.storage._get_stale_trial_ids(study._study_id))  # the storage's own heartbeat rule
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if t.user_attrs.get("worker.host") == self.host and not _alive(
-                t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started")
+            here = t.user_attrs.get("worker.host") == self.host
+            if t._trial_id in stale or (
+                here and not _alive(t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started"))
             ):
-                self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-        for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
-            if "failure.kind" in t.user_attrs:
-                continue
-            run_id = t.user_attrs.get("mlflow_run_id")
-            failure = {"kind": "killed", "message": "the sweep worker running this trial died", "step": None}
-            for key, value in _attrs(failure).items():
-                self.storage.set_trial_user_attr(t._trial_id, key, value)
-            if run_id and self.client.get_run(run_id).info.status == "RUNNING":
-                tracking.close_failed(self.client, run_id, failure, status="KILLED")
-            if self.sweeper.retry_failed_trials:
-                study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
-                self.storage.set_trial_user_attr(t._trial_id, "retried", True)
-            log.warning("trial %d was left running by a dead worker: failed (killed)", t.number)
+                self.fail_orphan(study, t)
+
+    def fail_orphan(self, study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
+        failure = {"kind": "killed", "message": "the sweep worker running this trial died", "step": None}
+        for key, value in {**_attrs(failure), "trial.status": "failed"}.items():
+            self.storage.set_trial_user_attr(t._trial_id, key, value)
+        run_id = t.user_attrs.get("mlflow_run_id")
+        if run_id and self.client.get_run(run_id).info.status == "RUNNING":
+            tracking.close_failed(self.client, run_id, failure, status="KILLED")
+        if self.sweeper.retry_failed_trials:
+            self.storage.set_trial_user_attr(t._trial_id, "retried", True)
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+        self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        log.warning("trial %d was left running by a dead worker: failed (killed)", t.number)
 
     # -- the loop --
 
@@ -499,7 +503,13 @@ class SweepEngine:
         trial.set_user_attr("sweep.slot", slot.name)
         original = self.finished_twin(study, trial) if self.sweeper.skip_duplicates else None
         if original is not None:
-            self.skip(study, trial, original, run_id)
+            self.skip(study, trial, original, run_id, f"same setting as trial {original.number}")
+            return
+        dominating = self.certain_oom(study, trial)
+        if dominating is not None:
+            self.skip(
+                study, trial, dominating, run_id, f"certain oom: needs at least trial {dominating.number}'s memory"
+            )
             return
         overrides = [
             *self.sweeper.trial_overrides,
@@ -533,13 +543,42 @@ class SweepEngine:
                 return t
         return None
 
-    def skip(self, study: optuna.Study, trial: optuna.Trial, original: optuna.trial.FrozenTrial, run_id: str) -> None:
-        """Not launched: the same setting was measured in trial `original`; its outcome is told again."""
+    def certain_oom(self, study: optuna.Study, trial: optuna.Trial) -> optuna.trial.FrozenTrial | None:
+        """A trial that ran out of memory with a setting this one can only need more memory than.
+
+        Peak memory only grows with the knobs in `memory_monotone` (longer sequences, bigger per-device batch,
+        higher rank, checkpointing off); with every other knob equal, a proposal at or beyond an OOM setting
+        on each of them would OOM too. It is not launched (`skipped`) and Optuna is told it is infeasible.
+        """
+        monotone = dict(self.sweeper.memory_monotone or {})
+        if not monotone:
+            return None
+        proposal = trial.params
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.user_attrs.get("failure.kind") not in MEMORY or t.user_attrs.get("trial.status") != "failed":
+                continue
+            if set(t.params) != set(proposal):
+                continue
+            if all(_at_least(proposal[k], t.params[k], monotone.get(k)) for k in proposal):
+                return t
+        return None
+
+    def skip(
+        self, study: optuna.Study, trial: optuna.Trial, original: optuna.trial.FrozenTrial, run_id: str, reason: str
+    ) -> None:
+        """Not launched: trial `original` already tells what this setting does; its outcome is told again."""
         trial.set_user_attr("trial.status", "skipped")
-        trial.set_user_attr("skipped.duplicate_of", original.number)
+        trial.set_user_attr("skipped.because_of", original.number)
+        trial.set_user_attr("skipped.reason", reason)
+        if "failure.kind" in original.user_attrs:
+            trial.set_user_attr("failure.kind", original.user_attrs["failure.kind"])
         for key, value in original.constraints.items():
             trial.set_constraint(key, value)
-        tracking.set_tags(self.client, run_id, {"trial.status": "skipped", "skipped.duplicate_of": original.number})
+        tracking.set_tags(
+            self.client,
+            run_id,
+            {"trial.status": "skipped", "skipped.because_of": original.number, "skipped.reason": reason},
+        )
         self.client.set_terminated(run_id, "FINISHED")
         study.tell(trial, original.values)
         with self.lock:
@@ -651,6 +690,15 @@ class SweepEngine:
             print(f"best {self.objectives[0]}: {self.best[0]:.4g} (trial {self.best[1]})")
         print(f"storage: {self.storage_url()}  |  MLflow: {self.config.tracking.uri} (experiment '{self.study_name}')")
         print(f"trial logs: {self.study_dir / 'trials'}  |  map: python -m src.report {self.study_name}")
+
+
+def _at_least(value: Any, reference: Any, direction: str | None) -> bool:
+    """Whether `value` needs at least the memory `reference` needs, on a knob that moves memory `direction`."""
+    if direction == "increasing":
+        return value >= reference
+    if direction == "decreasing":
+        return value <= reference
+    return value == reference
 
 
 def _as_list(value: Any) -> list[str]:

@@ -116,7 +116,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     state: dict[str, Any] = {"client": client, "run_id": run_id, "t0": time.time()}
     failure: Failure | None = None
     try:
-        tracking.log_params(client, run_id, tracking.flatten(to_container(cfg)))
+        if not client.get_run(run_id).data.params:  # a re-run (CUDA_LAUNCH_BLOCKING) keeps its first params
+            tracking.log_params(client, run_id, tracking.flatten(to_container(cfg)))
         tracking.set_tags(client, run_id, {**tracking.system_tags(), "model.name": cfg.model.name})
         _train(cfg, out_dir, state)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits

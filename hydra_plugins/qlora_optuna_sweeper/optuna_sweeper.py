@@ -45,6 +45,7 @@ class OptunaSweeperConf:
     grace_period_s: int = 60
     headroom_margin: float = 0.10
     skip_duplicates: bool = True
+    memory_monotone: dict[str, str] = field(default_factory=dict)
     progress: bool = True
 
 

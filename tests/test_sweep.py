@@ -1,0 +1,196 @@
+"""The sweep engine: every fault a CPU can raise is caught, classified and recorded while the sweep goes on;
+a SIGKILLed sweep resumes to exactly n_trials; the sampler learns to stay out of the OOM region."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from src.config import PROJECT_DIR
+from src.sweep import Outcome, SweepEngine
+from tests.conftest import compose_cfg, run_cli
+from tests.sweep_scenarios import SCENARIOS
+
+
+def _study(root: Path, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{root}/sweeps/{name}/optuna.db")
+
+
+def _runs(client, experiment: str) -> list:
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], max_results=1000)
+
+
+@pytest.mark.slow
+def test_every_fault_kind_is_classified_and_the_sweep_goes_on(root: Path, mlflow_client) -> None:
+    n = len(SCENARIOS)
+    done = run_cli(
+        "src.train",
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.study_name=faults",
+        f"hydra.sweeper.n_trials={n}",
+        "hydra.sweeper.custom_search_space=tests.sweep_scenarios.fault_scenarios",
+        "hydra.sweeper.stall_timeout_s=6",
+        "hydra.sweeper.progress=false",
+        f"hydra.sweeper.enqueue_trials=[{','.join('{scenario:' + s + '}' for s in SCENARIOS)}]",
+        "fault.step=2",
+        root=root,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    study = _study(root, "faults")
+    trials = study.get_trials()
+    assert len(trials) == n
+    assert not [t.number for t in trials if t.state == TrialState.RUNNING]
+    seen = {t.params["scenario"]: t for t in trials}
+    assert set(seen) == set(SCENARIOS)
+    for scenario, t in seen.items():
+        expected = None if scenario == "ok" else scenario
+        assert t.user_attrs.get("failure.kind") == expected, (scenario, t.user_attrs)
+        assert t.user_attrs["trial.status"] == ("ok" if scenario == "ok" else "failed")
+    # What Optuna learns: setting-caused failures carry a violated constraint, the others are FAIL.
+    assert seen["oom"].state == TrialState.COMPLETE and seen["oom"].constraints["vram_budget"] > 0
+    assert seen["data_error"].state == TrialState.COMPLETE and seen["data_error"].constraints["valid_setting"] > 0
+    assert seen["segfault"].state == TrialState.FAIL and seen["ok"].constraints["vram_budget"] <= 0
+    # The step where it happened, when training had started.
+    assert seen["oom"].user_attrs["failure.step"] == 2 and seen["segfault"].user_attrs["failure.step"] == 2
+
+    runs = {r.data.tags.get("optuna.trial"): r for r in _runs(mlflow_client, "faults")}
+    parent = next(r for r in runs.values() if r.data.tags.get("sweep.role") == "parent")
+    children = [r for r in runs.values() if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == n and not [r for r in runs.values() if r.info.status == "RUNNING"]
+    for scenario, t in seen.items():
+        run = runs[str(t.number)]
+        assert run.info.run_id == t.user_attrs["mlflow_run_id"]
+        assert run.data.tags.get("failure.kind") == (None if scenario == "ok" else scenario)
+        assert run.info.status == {"ok": "FINISHED", "killed": "KILLED", "timeout": "KILLED"}.get(scenario, "FAILED")
+    # Sticky CUDA errors are re-run once with CUDA_LAUNCH_BLOCKING=1 and both traces are kept.
+    for scenario in ("launch_failure", "illegal_memory_access", "device_assert"):
+        run_id = seen[scenario].user_attrs["mlflow_run_id"]
+        artifacts = {a.path for a in mlflow_client.list_artifacts(run_id)}
+        assert {"traceback.txt", "traceback_launch_blocking.txt"} <= artifacts, scenario
+        assert runs[str(seen[scenario].number)].data.tags["failure.launch_blocking.kind"] == scenario
+    # A process that died without recording (segfault, SIGKILL, hang) gets its stderr tail attached.
+    for scenario in ("segfault", "killed", "timeout"):
+        artifacts = {a.path for a in mlflow_client.list_artifacts(seen[scenario].user_attrs["mlflow_run_id"])}
+        assert "stderr_tail.txt" in artifacts
+    counts = parent.data.metrics
+    assert counts["trials_finished"] == n and counts["trials_ok"] == 1 and counts["trials_failed"] == n - 1
+    for scenario in SCENARIOS:
+        if scenario != "ok":
+            assert counts[f"trials_failed_{scenario}"] == 1
+    assert parent.info.status == "FINISHED"
+    # Each trial's own logs.
+    for t in trials:
+        assert (root / "sweeps" / "faults" / "trials" / f"{t.number:03d}" / "stderr.log").exists()
+
+
+@pytest.mark.slow
+def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) -> None:
+    args = [
+        sys.executable,
+        "-m",
+        "src.train",
+        "-m",
+        "hydra/sweeper=optuna",
+        "sweep=demo",
+        "hydra.sweeper.study_name=resume",
+        "hydra.sweeper.n_trials=6",
+        "hydra.sweeper.progress=false",
+        "hydra.sweeper.skip_duplicates=false",
+        "hydra.sweeper.trial_overrides=['trainer.max_steps=30']",  # long enough to be caught mid-trial
+    ]
+    env = {**os.environ, "QLORA_ROOT": str(root)}
+    sweep = subprocess.Popen(args, cwd=PROJECT_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    db = root / "sweeps" / "resume" / "optuna.db"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        time.sleep(1)
+        if db.exists():
+            states = Counter(t.state for t in _study(root, "resume").get_trials())
+            if states[TrialState.COMPLETE] >= 1 and states[TrialState.RUNNING] >= 1:
+                break
+    else:
+        sweep.kill()
+        pytest.fail("the sweep never had a finished and a running trial at once")
+    sweep.send_signal(signal.SIGKILL)
+    sweep.wait()
+    killed = [t.number for t in _study(root, "resume").get_trials() if t.state == TrialState.RUNNING]
+    assert killed
+
+    again = subprocess.run(args, cwd=PROJECT_DIR, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    trials = _study(root, "resume").get_trials()
+    assert len([t for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)]) == 6
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    for number in killed:
+        assert trials[number].state == TrialState.FAIL and trials[number].user_attrs["failure.kind"] == "killed"
+    runs = _runs(mlflow_client, "resume")
+    per_trial = Counter(r.data.tags.get("optuna.trial") for r in runs if r.data.tags.get("sweep.role") != "parent")
+    assert set(per_trial.values()) == {1} and len(per_trial) == len(trials)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    for number in killed:
+        run = next(r for r in runs if r.data.tags.get("optuna.trial") == str(number))
+        assert run.info.status == "KILLED" and run.data.tags["failure.kind"] == "killed"
+
+
+def test_sampler_learns_to_avoid_the_oom_region(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A synthetic objective with a memory model: the engine's telling (constraint = need / budget - 1) must make
+    TPE spend fewer trials in the OOM region in the second half of the sweep than in the first."""
+    budget = 24.0
+
+    def memory(params: dict) -> float:
+        return 6.0 + params["data.max_seq_length"] / 1024 * params["trainer.per_device_train_batch_size"] * 3.0
+
+    def fake_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        params = {k: int(v) for k, v in (o.split("=", 1) for o in overrides if o.split("=", 1)[0] in SPACE)}
+        need = memory(params)
+        if need > budget:
+            return Outcome(
+                "failed",
+                metrics={"peak_vram_reserved_gib": budget - 0.6, "oom_request_gib": need - budget + 0.6},
+                failure={"kind": "oom", "message": "CUDA out of memory", "step": 1},
+            )
+        tokens = params["data.max_seq_length"] * params["trainer.per_device_train_batch_size"]
+        return Outcome("ok", metrics={"tokens_per_s": float(tokens), "peak_vram_reserved_gib": need})
+
+    SPACE = {"data.max_seq_length": [512, 1024, 2048, 4096], "trainer.per_device_train_batch_size": [1, 2, 4, 8]}
+    monkeypatch.setattr("src.sweep.run_process", fake_process)
+    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    n = 48
+    cfg = compose_cfg(
+        [
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.study_name=learn",
+            f"hydra.sweeper.n_trials={n}",
+            "hydra.sweeper.cpu_slots=1",
+            "hydra.sweeper.progress=false",
+            "hydra.sweeper.skip_duplicates=false",
+            "hydra.sweeper.enqueue_trials=[]",
+            "trainer.output_dir=/tmp/unused",
+        ]
+    )
+    SweepEngine(cfg, [f"{k}=choice({','.join(map(str, v))})" for k, v in SPACE.items()]).run()
+    trials = sorted(_study(root, "learn").get_trials(), key=lambda t: t.number)
+    assert len(trials) == n
+    # GPU time spent in the OOM region: trials launched there (skipped ones never ran).
+    spent = [t.user_attrs["trial.status"] == "failed" for t in trials]
+    assert all(memory({k: t.params[k] for k in SPACE}) > budget for t, s in zip(trials, spent, strict=True) if s)
+    first, second = sum(spent[: n // 2]), sum(spent[n // 2 :])
+    assert first >= 3, "the start-up trials explore the space, OOM region included"
+    assert second < first / 2, (first, second)
+    skipped = [t for t in trials if t.user_attrs.get("skipped.reason", "").startswith("certain oom")]
+    assert skipped and all(memory({k: t.params[k] for k in SPACE}) > budget for t in skipped)
+    assert all(t.constraints["vram_budget"] > 0 for t in skipped), "the sampler is told they are infeasible"
+    best = _study(root, "learn").best_trial  # Optuna's best respects the constraint: never an OOM trial
+    assert memory({k: best.params[k] for k in SPACE}) <= budget
