@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from transformers import TrainerCallback
 
@@ -102,6 +103,7 @@ class Measurements(TrainerCallback):
         self.steps: list[dict[str, float]] = []
         self.losses: list[float] = []
         self.step = 0
+        self.startup_s: float | None = None
         self._last_t = 0.0
         self._last_tokens = 0
         self.nvml = NvmlSampler(cfg.measure.nvml_interval_s) if self.cuda else None
@@ -120,6 +122,8 @@ class Measurements(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._sync()
+        # The per-trial fixed cost: process start (imports included) to the first step.
+        self.startup_s = time.time() - psutil.Process().create_time()
         self._last_t = time.perf_counter()
         self._last_tokens = state.num_input_tokens_seen
         self.write_progress("training")
@@ -148,6 +152,8 @@ class Measurements(TrainerCallback):
     def summary(self) -> dict[str, float]:
         """The contract's per-trial metrics from what was measured (partial if the trial failed)."""
         m: dict[str, float] = {"peak_rss_gib": _max_rss_gib()}
+        if self.startup_s is not None:
+            m["startup_s"] = self.startup_s
         if self.cuda:
             m["peak_vram_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
             m["peak_vram_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB

@@ -85,7 +85,6 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     for callback in (probe, meas, FaultInjector(cfg.fault.kind, cfg.fault.step)):
         trainer.add_callback(callback)
     state["trainer"] = trainer
-    state["first_step_after_s"] = time.time() - state["t0"]
     trainer.train()
     if cfg.trainer.save_adapter:
         adapter = out_dir / "adapter"
@@ -113,7 +112,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     client, run_id = _open_run(cfg)
     launch_blocking = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
-    state: dict[str, Any] = {"client": client, "run_id": run_id, "t0": time.time()}
+    state: dict[str, Any] = {"client": client, "run_id": run_id}
     failure: Failure | None = None
     try:
         if not client.get_run(run_id).data.params:  # a re-run (CUDA_LAUNCH_BLOCKING) keeps its first params
@@ -174,9 +173,7 @@ def _record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Fail
     metrics["vram_budget_gib"] = budget
     if "peak_vram_reserved_gib" in metrics:
         metrics["vram_headroom_frac"] = 1.0 - metrics["peak_vram_reserved_gib"] / budget
-    metrics.update({k: v for k, v in state.get("budget", {}).items()})
-    if "first_step_after_s" in state:
-        metrics["startup_s"] = state["first_step_after_s"]
+    metrics.update(state.get("budget", {}))
     if failure and failure.kind == "oom":
         requested = oom_request_gib(failure.message)
         if requested is not None:

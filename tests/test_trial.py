@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +43,7 @@ def test_lora_moves_and_4bit_base_stays_frozen(root: Path) -> None:
     out = root / "trial"
     cfg = compose_cfg(["trainer=probe", "trainer.max_steps=3", "measure.warmup_steps=1", f"trainer.output_dir={out}"])
     client, run_id = trial._open_run(cfg)
-    state = {"client": client, "run_id": run_id, "t0": time.time()}
+    state = {"client": client, "run_id": run_id}
     out.mkdir()
     trial._train(cfg, out, state)
     trained = state["trainer"].model
@@ -81,6 +80,7 @@ def test_trial_records_every_contract_metric_and_tag(root: Path, mlflow_client) 
     assert m["vram_headroom_frac"] == pytest.approx(1 - m["peak_vram_reserved_gib"] / 24)
     assert math.isfinite(m["train_loss"]) and m["train_loss"] > 0
     assert m["measured_steps"] == 3  # 5 steps, 2 of warm-up
+    assert 1 < m["startup_s"] < 120  # process start (imports, model, data) to the first step
     assert m["data.tokens_min"] <= m["data.tokens_median"] <= m["data.tokens_p95"] <= m["data.tokens_max"]
     assert tags["trial.status"] == "ok" and "failure.kind" not in tags
     for key in (
