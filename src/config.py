@@ -111,6 +111,8 @@ class HardwareConfig:
     # The card being mapped. On a larger GPU the trial caps its own allocator to this.
     vram_budget_gib: float = 24.0
     parallelism: str = "single"
+    # data_parallel: processes (ranks) per trial; null = the trial's GPUs (2 on a CPU, over gloo).
+    processes: int | None = None
 
 
 @dataclass
@@ -124,6 +126,7 @@ class TrackingConfig:
 class FaultConfig:
     kind: str = "none"
     step: int = 1
+    rank: int | None = None  # data_parallel: only this rank fails (null: every rank)
 
 
 @dataclass

@@ -87,13 +87,15 @@ def _nan(model: Any) -> None:
 
 
 class FaultInjector(TrainerCallback):
-    def __init__(self, kind: str, step: int) -> None:
+    def __init__(self, kind: str, step: int, rank: int | None = None) -> None:
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault.kind: unknown '{kind}'; one of {', '.join(FAULT_KINDS)}")
         self.kind, self.step = kind, step
+        # In a data-parallel trial only the chosen rank fails (RANK is set by the launcher).
+        self.armed = rank is None or int(os.environ.get("RANK", "0")) == rank
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if self.kind == "none" or state.global_step + 1 != self.step:
+        if self.kind == "none" or not self.armed or state.global_step + 1 != self.step:
             return
         if self.kind == "oom":
             _oom()

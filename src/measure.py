@@ -40,7 +40,9 @@ def cap_to_budget(budget_gib: float) -> dict[str, float]:
     usable = budget_gib * GIB - context
     if usable >= total:
         return {"cuda_context_gib": context / GIB, "device_total_gib": total / GIB}
-    torch.cuda.set_per_process_memory_fraction(max(usable, 0) / total)
+    # Every card the trial sees is the budget's size (a model-parallel trial spans several).
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.set_per_process_memory_fraction(max(usable, 0) / total, device=device)
     return {"cuda_context_gib": context / GIB, "device_total_gib": total / GIB, "allocator_cap_gib": usable / GIB}
 
 
@@ -157,6 +159,16 @@ class Measurements(TrainerCallback):
         if self.cuda:
             m["peak_vram_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
             m["peak_vram_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            if torch.cuda.device_count() > 1:  # model parallel: each card's peak, the largest is the trial's
+                for d in range(torch.cuda.device_count()):
+                    m[f"peak_vram_allocated_gib.cuda{d}"] = torch.cuda.max_memory_allocated(d) / GIB
+                    m[f"peak_vram_reserved_gib.cuda{d}"] = torch.cuda.max_memory_reserved(d) / GIB
+                m["peak_vram_allocated_gib"] = max(
+                    m[f"peak_vram_allocated_gib.cuda{d}"] for d in range(torch.cuda.device_count())
+                )
+                m["peak_vram_reserved_gib"] = max(
+                    m[f"peak_vram_reserved_gib.cuda{d}"] for d in range(torch.cuda.device_count())
+                )
             stats = torch.cuda.memory_stats()
             m["alloc_retries"] = float(stats.get("num_alloc_retries", 0))
             m["alloc_ooms"] = float(stats.get("num_ooms", 0))

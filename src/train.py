@@ -8,6 +8,7 @@ Returns the trial's outcome; exits non-zero when the trial failed (the failure i
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,14 @@ register_configs()
 def main(cfg: DictConfig) -> dict:
     from src import trial
 
-    result = trial.run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.hardware.parallelism == "data_parallel":
+        if "LOCAL_RANK" in os.environ:  # a rank started by torch.distributed.run
+            result = trial.run_rank(cfg, out_dir)
+            sys.exit(0 if result["status"] == "ok" else 1)
+        result = trial.run_data_parallel(cfg, out_dir, sys.argv[1:])
+    else:
+        result = trial.run(cfg, out_dir)
     m = result["metrics"]
     if result["status"] == "ok":
         print(

@@ -59,7 +59,10 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     from src.measure import AttentionProbe, Measurements, cap_to_budget
 
     client, run_id = state["client"], state["run_id"]
-    meas = state["meas"] = Measurements(cfg, out_dir / PROGRESS_FILE)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # The watchdog reads the trial's progress file; in a data-parallel trial rank 0 writes it.
+    progress = out_dir / PROGRESS_FILE if int(os.environ.get("RANK", "0")) == 0 else state["rank_dir"] / PROGRESS_FILE
+    meas = state["meas"] = Measurements(cfg, progress, world_size=world_size)
     report = preflight.run(cfg)  # raises ConfigError / DataError before any GPU work
     tracking.log_text(client, run_id, report.to_text(), "preflight.txt")
     tracking.set_tags(client, run_id, report.tags())
@@ -71,7 +74,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
         use_gradient_checkpointing=cfg.trainer.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
     )
-    dataset, stats = _dataset(cfg, tokenizer, world_size=1)
+    dataset, stats = _dataset(cfg, tokenizer, world_size=world_size)
     tracking.log_metrics(client, run_id, stats)
     trainer = SFTTrainer(
         model=model,
@@ -82,7 +85,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     )
     probe = state["attention"] = AttentionProbe(at_step=max(1, cfg.measure.warmup_steps))
     # The probe first: its profiler teardown then falls inside its own (warm-up) step, not the next one.
-    for callback in (probe, meas, FaultInjector(cfg.fault.kind, cfg.fault.step)):
+    for callback in (probe, meas, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)):
         trainer.add_callback(callback)
     state["trainer"] = trainer
     trainer.train()
@@ -120,20 +123,19 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         tracking.set_tags(client, run_id, {**tracking.system_tags(), "model.name": cfg.model.name})
         _train(cfg, out_dir, state)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits
-        meas = state.get("meas")
-        failure = Failure(
-            kind=classify_exception(exc),
-            message=first_line(f"{type(exc).__name__}: {exc}"),
-            # the step that was running: one past the last completed, once training had begun
-            step=meas.step + 1 if meas and _phase(out_dir) == "training" else None,
-        )
-        if failure.kind == "nan_loss" and meas:
-            failure.step = meas.step  # the loss is checked after its step completed
+        failure = _failure_of(exc, state.get("meas"))
         name = "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt"
         tracking.log_text(client, run_id, traceback.format_exc(), name)
-        if isinstance(exc, KeyboardInterrupt):
-            failure.kind = "killed"
     return _record(cfg, out_dir, state, failure)
+
+
+def _failure_of(exc: BaseException, meas: Any, rank: int | None = None) -> Failure:
+    """The failure, with the step that was running once training had begun (a NaN loss is seen after its step)."""
+    kind = "killed" if isinstance(exc, KeyboardInterrupt) else classify_exception(exc)
+    step = None
+    if meas is not None and meas.startup_s is not None:
+        step = meas.step if kind == "nan_loss" else meas.step + 1
+    return Failure(kind, first_line(f"{type(exc).__name__}: {exc}"), step, rank)
 
 
 def _log_series(client: Any, run_id: str, meas: Any) -> None:
@@ -152,19 +154,12 @@ def _log_series(client: Any, run_id: str, meas: Any) -> None:
         client.log_batch(run_id, metrics=series[i : i + 500])
 
 
-def _phase(out_dir: Path) -> str:
-    try:
-        return json.loads((out_dir / PROGRESS_FILE).read_text()).get("phase", "")
-    except (OSError, ValueError):
-        return ""
-
-
 def _record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Failure | None) -> dict[str, Any]:
     client, run_id = state["client"], state["run_id"]
     meas = state.get("meas")
     budget = float(cfg.hardware.vram_budget_gib)
     try:
-        metrics: dict[str, float] = meas.summary() if meas else {}
+        metrics: dict[str, float] = meas.summary() if meas else dict(state.get("metrics", {}))
     except Exception as exc:  # a measurement bug must not lose the trial's outcome
         tracking.log_text(client, run_id, traceback.format_exc(), "measurement_error.txt")
         metrics = {}
@@ -184,8 +179,12 @@ def _record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Fail
     tags: dict[str, Any] = {"trial.status": "failed" if failure else "ok"}
     if "attention" in state:
         tags["attention.kernel"] = state["attention"].tag
+    elif state.get("attention_tag"):
+        tags["attention.kernel"] = state["attention_tag"]
     if failure:
         tags.update({"failure.kind": failure.kind, "failure.message": failure.message, "failure.step": failure.step})
+        if failure.rank is not None:
+            tags["failure.rank"] = failure.rank
     tracking.set_tags(client, run_id, tags)
     result = {
         "status": "failed" if failure else "ok",
@@ -197,3 +196,123 @@ def _record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Fail
     (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
     client.set_terminated(run_id, "FAILED" if failure else "FINISHED")
     return result
+
+
+# ---- data-parallel trials: one process per card, launched by torch's own launcher ------------------------
+
+
+class _NoTracking:
+    """A rank's stand-in for the MLflow client: in a data-parallel trial only the parent process records."""
+
+    def get_run(self, run_id: str) -> Any:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def run_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """One rank of a data-parallel trial: train, then leave the outcome in rank<N>/result.json."""
+    rank = int(os.environ["RANK"])
+    rank_dir = out_dir / f"rank{rank}"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {"client": _NoTracking(), "run_id": "", "rank_dir": rank_dir}
+    failure: Failure | None = None
+    try:
+        _train(cfg, out_dir, state)
+    except BaseException as exc:  # noqa: BLE001 - recorded by the parent from this rank's file
+        failure = _failure_of(exc, state.get("meas"), rank)
+        (rank_dir / "traceback.txt").write_text(tracking.redact_text(traceback.format_exc()))
+    meas = state.get("meas")
+    result = {
+        "status": "failed" if failure else "ok",
+        "rank": rank,
+        "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+        "metrics": meas.summary() if meas else {},
+        "failure": failure.as_dict() if failure else None,
+        "attention_kernel": state["attention"].tag if "attention" in state else None,
+    }
+    (rank_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
+    return result
+
+
+_PER_DEVICE = ("peak_vram_allocated_gib", "peak_vram_reserved_gib", "peak_vram_device_gib", "peak_rss_gib")
+
+
+def run_data_parallel(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[str, Any]:
+    """The parent of a data-parallel trial: open the run, check, launch the ranks with torch.distributed.run,
+    then record per-device peaks (the max is the trial's), throughput over all ranks, and the first failure
+    with its rank. When one rank fails the launcher stops the others, so every card is free afterwards."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from src import preflight
+    from src.failures import classify_exit
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    client, run_id = _open_run(cfg)
+    state: dict[str, Any] = {"client": client, "run_id": run_id}
+    nproc = cfg.hardware.processes or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    try:
+        tracking.log_params(client, run_id, tracking.flatten(to_container(cfg)))
+        tracking.set_tags(client, run_id, {**tracking.system_tags(), "model.name": cfg.model.name, "ranks": nproc})
+        report = preflight.run(cfg)  # refuse before any process or card is taken
+        tracking.log_text(client, run_id, report.to_text(), "preflight.txt")
+    except BaseException as exc:  # noqa: BLE001
+        tracking.log_text(client, run_id, traceback.format_exc(), "traceback.txt")
+        return _record(
+            cfg, out_dir, state, Failure(classify_exception(exc), first_line(f"{type(exc).__name__}: {exc}"))
+        )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "src.train", *argv, f"hydra.run.dir={out_dir}"]
+    with (out_dir / "ranks.log").open("wb") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+    ranks = [_read_result(out_dir / f"rank{r}" / RESULT_FILE) for r in range(nproc)]
+    metrics: dict[str, float] = {}
+    for r in ranks:
+        device = f"cuda{r['local_rank']}" if torch.cuda.is_available() else f"rank{r['rank']}"
+        for key in _PER_DEVICE:
+            if key in r["metrics"]:
+                metrics[f"{key}.{device}"] = r["metrics"][key]
+                metrics[key] = max(metrics.get(key, 0.0), r["metrics"][key])
+    rank0 = next((r for r in ranks if r["rank"] == 0), None)
+    if rank0 and rank0["status"] == "ok":
+        # The trainer gathers the token count over all ranks: rank 0's tokens/s is the whole trial's.
+        metrics.update({k: v for k, v in rank0["metrics"].items() if k not in _PER_DEVICE})
+    state["attention_tag"] = rank0 and rank0.get("attention_kernel")
+    failure = None
+    if done.returncode != 0:
+        # The launcher names the first rank that failed; the others' errors are its consequences
+        # (a collective that lost its peer), not the cause.
+        log_text = (out_dir / "ranks.log").read_text(errors="replace")
+        root, code = _root_cause(log_text)
+        first = next((r for r in ranks if r["rank"] == root and r["failure"]), None)
+        if first is not None:
+            failure = Failure(**first["failure"])
+            text = (out_dir / f"rank{root}" / "traceback.txt").read_text()
+            tracking.log_text(client, run_id, text, f"traceback_rank{root}.txt")
+        else:  # it died without a word (signal, segfault): its exit code says how
+            failure = Failure(classify_exit(code, log_text), first_line(f"rank {root} exited with {code}"), rank=root)
+            tracking.log_text(client, run_id, log_text[-20000:], "ranks_log_tail.txt")
+    state["metrics"] = metrics
+    return _record(cfg, out_dir, state, failure)
+
+
+def _read_result(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        rank = int(path.parent.name.removeprefix("rank"))
+        return {"status": "missing", "rank": rank, "local_rank": rank, "metrics": {}, "failure": None}
+
+
+def _root_cause(log_text: str) -> tuple[int | None, int]:
+    """The failed rank and its exit code from torch.distributed.run's "Root Cause" report."""
+    import re
+
+    section = log_text.split("Root Cause", 1)[-1]
+    rank = re.search(r"rank\s*:\s*(\d+)", section)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", section)
+    return (int(rank.group(1)) if rank else None), (int(code.group(1)) if code else 1)

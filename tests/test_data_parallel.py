@@ -1,0 +1,55 @@
+"""A data-parallel trial on a CPU: two ranks over gloo, launched by torch.distributed.run. Per-rank peaks
+are recorded with the max as the trial's; a fault on rank 1 fails the whole trial with its rank, and no
+process of the trial is left behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import run_cli
+
+DP = ["trainer=probe", "trainer.max_steps=4", "hardware.parallelism=data_parallel", "hardware.processes=2"]
+
+
+def _only_run(client):
+    exp = client.get_experiment_by_name("qlora-trials")
+    (run,) = client.search_runs([exp.experiment_id])
+    return run
+
+
+def _leftovers(root: Path) -> list[str]:
+    """Processes still running anything of this test's trial."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "src.train" in cmdline and str(root) in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.slow
+def test_two_rank_trial_records_per_rank_peaks(root: Path, mlflow_client) -> None:
+    done = run_cli("src.train", *DP, root=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = _only_run(mlflow_client)
+    m = run.data.metrics
+    assert run.info.status == "FINISHED" and run.data.tags["ranks"] == "2"
+    assert {"peak_rss_gib.rank0", "peak_rss_gib.rank1"} <= set(m)
+    assert m["peak_rss_gib"] == max(m["peak_rss_gib.rank0"], m["peak_rss_gib.rank1"])
+    assert m["tokens_per_s"] > 0 and m["samples_per_s"] > 0
+    # global batch = per-device batch x ranks x accumulation = 1 x 2 x 2 samples per step
+    assert m["samples_per_s"] == pytest.approx(4 / m["step_time_s"], rel=0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,kind", [("oom", "oom"), ("kill", "killed")])
+def test_fault_on_rank_1_fails_the_trial_with_its_rank(fault: str, kind: str, root: Path, mlflow_client) -> None:
+    done = run_cli("src.train", *DP, f"fault={fault}", "fault.step=2", "fault.rank=1", root=root)
+    assert done.returncode == 1
+    run = _only_run(mlflow_client)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["failure.kind"] == kind and run.data.tags["failure.rank"] == "1"
+    assert not _leftovers(root), "every rank of the trial has exited"
