@@ -40,6 +40,8 @@ class ModelConfig:
     path: str = MISSING
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
+    # null: chosen by hardware.parallelism (one card, or "auto" across the trial's cards for model_parallel)
+    device_map: Any = None
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     # Save the 4-bit weights once and load those afterwards (a trial then skips quantizing 16 GB).
     cache_quantized: bool = False

@@ -123,9 +123,11 @@ def ensure_built(model_cfg: Any) -> None:
             build_random_llama(path, OmegaConf.to_container(model_cfg.build))
 
 
-def device_map(parallelism: str) -> dict[str, Any] | str:
+def device_map(parallelism: str, configured: Any = None) -> dict[str, Any] | str:
     if not torch.cuda.is_available():
         return {"": "cpu"}
+    if configured is not None:
+        return OmegaConf.to_container(configured) if hasattr(configured, "items") else configured
     if parallelism == "model_parallel":
         return "auto"
     return {"": torch.cuda.current_device()}
@@ -148,7 +150,7 @@ def load(cfg: Any) -> tuple[Any, Any]:
     kwargs: dict[str, Any] = {
         "dtype": getattr(torch, mcfg.dtype),
         "attn_implementation": mcfg.attn_implementation,
-        "device_map": device_map(cfg.hardware.parallelism),
+        "device_map": device_map(cfg.hardware.parallelism, mcfg.device_map),
     }
     quantized = _quantized_copy(mcfg, Path(cfg.paths.cache_dir))
     if mcfg.cache_quantized and (quantized / "config.json").exists():

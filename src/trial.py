@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from src import tracking
 from src.config import to_container
-from src.failures import Failure, classify_exception, first_line, oom_request_gib
+from src.failures import ConfigError, DataError, Failure, classify_exception, first_line, oom_request_gib
 
 RESULT_FILE = "result.json"
 PROGRESS_FILE = "progress.json"
@@ -63,12 +63,18 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     # The watchdog reads the trial's progress file; in a data-parallel trial rank 0 writes it.
     progress = out_dir / PROGRESS_FILE if int(os.environ.get("RANK", "0")) == 0 else state["rank_dir"] / PROGRESS_FILE
     meas = state["meas"] = Measurements(cfg, progress, world_size=world_size)
-    report = preflight.run(cfg)  # raises ConfigError / DataError before any GPU work
+    try:
+        report = preflight.run(cfg)  # raises ConfigError / DataError before any GPU work
+    except (ConfigError, DataError) as exc:  # a refused trial still records what preflight found
+        tracking.log_text(client, run_id, exc.report.to_text(), "preflight.txt")
+        tracking.set_tags(client, run_id, exc.report.tags())
+        raise
     tracking.log_text(client, run_id, report.to_text(), "preflight.txt")
     tracking.set_tags(client, run_id, report.tags())
 
     state["budget"] = cap_to_budget(cfg.hardware.vram_budget_gib)
     model, tokenizer = models.load(cfg)
+    model = preflight.guard_device_moves(model)  # a 4-bit / dispatched model must never be moved with .to()
     model = prepare_model_for_kbit_training(
         model,
         use_gradient_checkpointing=cfg.trainer.gradient_checkpointing,
@@ -85,7 +91,8 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     )
     probe = state["attention"] = AttentionProbe(at_step=max(1, cfg.measure.warmup_steps))
     # The probe first: its profiler teardown then falls inside its own (warm-up) step, not the next one.
-    for callback in (probe, meas, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)):
+    guards = preflight.CheckpointingGuard(cfg.trainer.gradient_checkpointing)
+    for callback in (probe, meas, guards, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)):
         trainer.add_callback(callback)
     state["trainer"] = trainer
     trainer.train()

@@ -1,0 +1,350 @@
+"""The stability map and promotion: one real sweep of the tiny Llama (three stable settings, an injected OOM, a
+setting preflight refuses, a segfault) is classified trial by trial, drawn, logged to its parent run and
+promoted; hand-made studies cover the classes a CPU cannot produce (marginal headroom, allocator retries,
+timeouts, skipped repeats) and the refusals."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from matplotlib.image import imread
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState
+
+from src import promote, report, tracking
+from src.config import PROJECT_DIR, register_configs
+from tests.conftest import run_cli
+
+STUDY = "map"
+# Enqueued in this order, so trial number i is SETTINGS[i]; each has the outcome its comment says.
+SETTINGS = [
+    {"data.max_seq_length": 256, "lora.r": 8, "fault.kind": "none"},  # stable
+    {"data.max_seq_length": 512, "lora.r": 4, "fault.kind": "none"},  # stable
+    {"data.max_seq_length": 512, "lora.r": 8, "fault.kind": "none"},  # stable
+    {"data.max_seq_length": 256, "lora.r": 4, "fault.kind": "oom"},  # failed: oom (the setting's: COMPLETE)
+    {"data.max_seq_length": 128, "lora.r": 8, "fault.kind": "none"},  # failed: data_error (preflight refuses)
+    {"data.max_seq_length": 512, "lora.r": 4, "fault.kind": "segfault"},  # failed: segfault (the process's: FAIL)
+]
+PROBE_KEYS = {"trainer.max_steps", "trainer.warmup_steps", "trainer.output_dir"}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def expected(setting: dict[str, Any]) -> tuple[str, str | None]:
+    if setting["data.max_seq_length"] == 128:
+        return "failed", "data_error"
+    if setting["fault.kind"] != "none":
+        return "failed", setting["fault.kind"]
+    return "stable", None
+
+
+# ---- the real sweep (module scope: ~45 s on two CPU slots) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """A QLORA_ROOT holding study `map` (six trials) and its report, made by the contract's commands."""
+    root = tmp_path_factory.mktemp("report_promote")
+    enqueue = ",".join("{" + ",".join(f"{k}:{v}" for k, v in s.items()) + "}" for s in SETTINGS)
+    env = {"QLORA_CACHE": str(cache_dir)}
+    done = run_cli(
+        "src.train",
+        "-m",
+        "hydra/sweeper=optuna",
+        f"hydra.sweeper.study_name={STUDY}",
+        f"hydra.sweeper.n_trials={len(SETTINGS)}",
+        "hydra.sweeper.progress=false",
+        f"hydra.sweeper.enqueue_trials=[{enqueue}]",
+        "data.max_seq_length=choice(128,256,512)",
+        "lora.r=choice(4,8)",
+        "fault.kind=choice(none,oom,segfault)",
+        "model=tiny_llama",
+        "trainer.save_adapter=true",
+        root=root,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    shown = run_cli("src.report", root=root, env=env)  # no study named: the latest (the only one)
+    assert shown.returncode == 0, shown.stderr[-4000:]
+    (root / "report_stdout.txt").write_text(shown.stdout)
+    return root
+
+
+def _sweep(root: Path, margin: float | None = None) -> report.Sweep:
+    return report.load(STUDY, root / "sweeps", margin=margin)
+
+
+def _client(root: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{root}/mlruns/mlflow.db")
+
+
+def _registry(client: MlflowClient, name: str = "llama3-qlora") -> tuple[list[tuple[str, str]], str | None]:
+    """(version, run id) of every version, and the version the production alias points at."""
+    try:
+        versions = sorted((v.version, v.run_id) for v in client.search_model_versions(f"name='{name}'"))
+        return versions, client.get_registered_model(name).aliases.get("production")
+    except Exception:
+        return [], None
+
+
+@pytest.mark.slow
+def test_every_trial_is_classified_by_what_it_did(swept: Path) -> None:
+    sweep = _sweep(swept)
+    assert [r.number for r in sweep.rows] == list(range(len(SETTINGS)))
+    for row, setting in zip(sweep.rows, SETTINGS, strict=True):
+        assert row.params == setting
+        assert (row.verdict, row.failure_kind) == expected(setting), (row.number, row.detail)
+    assert sweep.rows[3].detail == "oom at step 1"
+    assert sweep.margin == pytest.approx(0.10)  # the sweep's own hydra.sweeper.headroom_margin
+    stdout = (swept / "report_stdout.txt").read_text()
+    assert "6 trials, 3 stable, 0 marginal, 3 failed (1 oom, 1 data_error, 1 segfault)" in stdout
+    assert f"python -m src.promote {STUDY}" in stdout
+
+
+@pytest.mark.slow
+def test_report_files_are_pictures_with_content_and_logged_to_the_parent_run(swept: Path) -> None:
+    study_dir = swept / "sweeps" / STUDY
+    md = (study_dir / "report.md").read_text()
+    pictures = ["stability_map.png", "peak_vram.png", "tokens_per_s.png"]
+    for name in pictures:
+        assert f"]({name})" in md
+        data = (study_dir / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE)
+        pixels = imread(study_dir / name)
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+        assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 10, f"{name} is (nearly) one colour"
+    sweep = _sweep(swept)
+    client = _client(swept)
+    logged = {Path(a.path).name for a in client.list_artifacts(sweep.parent_run_id, "report")}
+    assert logged == {"report.md", *pictures}
+    tags = client.get_run(sweep.parent_run_id).data.tags
+    assert (tags["report.stable"], tags["report.failed"], tags["report.best_trial"]) == (
+        "3",
+        "3",
+        str(sweep.best().number),
+    )
+    for row in sweep.rows:  # each trial's run can be filtered by its class in the MLflow UI
+        assert client.get_run(row.run_id).data.tags["report.class"] == row.verdict
+
+
+@pytest.mark.slow
+def test_importances_say_which_knobs_move_the_metrics(swept: Path) -> None:
+    sweep = _sweep(swept)
+    speed = report.importance(sweep, "tokens_per_s", "maximize")
+    assert speed.n_trials == 3
+    assert set(speed.values) == {"data.max_seq_length", "lora.r"}  # fault.kind never varied among finished trials
+    assert sum(speed.values.values()) == pytest.approx(1.0, abs=1e-6)
+    assert speed.method.startswith("fANOVA")
+    memory = report.importance(sweep, "peak_vram_reserved_gib", "minimize")
+    assert not memory.values and "was 0 in all 3 finished trials" in memory.note  # a CPU has no VRAM to explain
+    md = (swept / "sweeps" / STUDY / "report.md").read_text()
+    assert "## Which knobs matter" in md and "How these were computed" in md and "| lora.r |" in md
+
+
+# ---- promotion --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_dry_run_changes_nothing(swept: Path, tmp_path: Path) -> None:
+    client = _client(swept)
+    before = _registry(client)
+    target = tmp_path / "production.yaml"
+    done = run_cli("src.promote", STUDY, "--dry-run", "--experiment-file", str(target), root=swept)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "would register llama3-qlora version" in done.stdout and "+# @package _global_" in done.stdout
+    assert not target.exists()
+    assert _registry(client) == before
+
+
+@pytest.mark.slow
+def test_promotion_registers_the_best_stable_trial_and_its_settings_compose(swept: Path, tmp_path: Path) -> None:
+    sweep = _sweep(swept)
+    best = sweep.best()
+    assert best.number == max((0, 1, 2), key=lambda n: sweep.rows[n].metrics["tokens_per_s"])
+    conf = tmp_path / "conf"  # a copy of the project's configs, so the repo's conf/ is never written
+    shutil.copytree(PROJECT_DIR / "conf", conf)
+    (conf / "experiment" / "production.yaml").unlink(missing_ok=True)
+    target = conf / "experiment" / "production.yaml"
+    client = _client(swept)
+    done = run_cli("src.promote", STUDY, "--experiment-file", str(target), root=swept)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    versions, production = _registry(client)
+    version = client.get_model_version("llama3-qlora", production)
+    assert version.run_id == best.run_id and version.source == f"runs:/{best.run_id}/adapter"
+    assert version.tags["study"] == STUDY and version.tags["trial"] == str(best.number)
+    assert float(version.tags["tokens_per_s"]) == pytest.approx(best.metrics["tokens_per_s"], rel=1e-3)
+    assert {"peak_vram_reserved_gib", "vram_headroom_frac"} <= set(version.tags)
+    assert {Path(a.path).name for a in client.list_artifacts(best.run_id, "config")} >= {"config.yaml"}
+
+    text = target.read_text()
+    assert text.startswith("# @package _global_\n")
+    for needle in (f"study:      {STUDY}", f"trial:      {best.number}", best.run_id, f"version {production}"):
+        assert needle in text
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=production"])
+    GlobalHydra.instance().clear()
+    for key, value in best.params.items():
+        assert OmegaConf.select(cfg, key) == value, key
+    assert cfg.trainer.save_adapter is True and cfg.model.name == "tiny_llama"
+    assert cfg.trainer.max_steps == -1  # the sweep's 8-step probe is not a production setting
+    measured = tracking.flatten(
+        OmegaConf.to_container(OmegaConf.load(sweep.trial_dir(best.number) / ".hydra/config.yaml"))
+    )
+    composed = tracking.flatten(OmegaConf.to_container(cfg))
+    differ = {k for k in measured.keys() | composed.keys() if measured.get(k) != composed.get(k)}
+    assert differ <= PROBE_KEYS, differ
+
+
+@pytest.mark.slow
+def test_promoting_again_moves_the_alias_and_keeps_the_older_version(
+    swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QLORA_ROOT", str(swept))
+    client = _client(swept)
+    sweep = _sweep(swept)
+    stable = [r for r in sweep.rows if r.verdict == "stable"]
+    target = tmp_path / "production.yaml"
+    promoted = []
+    for row in stable[:2]:
+        assert promote.main([STUDY, "--trial", str(row.number), "--experiment-file", str(target)]) == 0
+        versions, production = _registry(client)
+        assert client.get_model_version("llama3-qlora", production).run_id == row.run_id
+        assert f"trial:      {row.number}, chosen with --trial" in target.read_text()
+        promoted.append(production)
+    assert int(promoted[1]) == int(promoted[0]) + 1
+    assert (promoted[0], stable[0].run_id) in versions  # the older version stays in the registry
+
+
+@pytest.mark.slow
+def test_no_qualifying_trial_changes_nothing_and_says_why(
+    swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    client = _client(swept)
+    before = _registry(client)
+    target = tmp_path / "production.yaml"
+    done = run_cli("src.promote", STUDY, "--margin", "1.5", "--experiment-file", str(target), root=swept)
+    assert done.returncode == 1
+    assert "no stable trial: 3 marginal (headroom < 150%), 3 failed (1 oom, 1 data_error, 1 segfault)" in done.stderr
+    assert not target.exists() and _registry(client) == before
+
+    # a study where everything failed, in a storage of its own: not even the MLflow store is touched
+    storage = f"sqlite:///{tmp_path}/all_failed.db"
+    _hand_made(storage, "all_failed", [_trial("oom", 1), _trial("oom", 2), _trial("timeout", 3), _trial("oom", 4)])
+    monkeypatch.setenv("QLORA_ROOT", str(tmp_path))
+    mlflow_db = tmp_path / "mlruns" / "mlflow.db"
+    argv = [
+        "all_failed",
+        "--storage",
+        storage,
+        "--tracking-uri",
+        f"sqlite:///{mlflow_db}",
+        "--experiment-file",
+        str(target),
+    ]
+    assert promote.main(argv) == 1
+    assert "all 4 trials failed: 3 oom, 1 timeout" in capsys.readouterr().err
+    assert not target.exists() and not mlflow_db.exists()
+
+
+# ---- classes a CPU sweep cannot produce, from hand-made studies -----------------------------------------------------------
+
+_SPACE = {
+    "data.max_seq_length": CategoricalDistribution([1024, 2048, 4096]),
+    "lora.r": CategoricalDistribution([16, 64]),
+}
+
+
+def _trial(kind: str | None, n: int, **figures: Any) -> dict[str, Any]:
+    seq = [1024, 2048, 4096][n % 3]
+    return {"params": {"data.max_seq_length": seq, "lora.r": 16 if n < 3 else 64}, "kind": kind, **figures}
+
+
+def _hand_made(storage: str, name: str, specs: list[dict[str, Any]]) -> None:
+    """A study as the sweep engine records it (user_attrs, states), without running anything."""
+    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    for spec in specs:
+        attrs: dict[str, Any] = {"vram_budget_gib": 24.0, **spec.get("attrs", {})}
+        state, value = TrialState.COMPLETE, spec.get("tokens_per_s")
+        if spec["kind"] is None:
+            reserved = spec["reserved"]
+            attrs |= {
+                "trial.status": "ok",
+                "peak_vram_reserved_gib": reserved,
+                "peak_vram_allocated_gib": reserved - 1.0,
+                "peak_vram_device_gib": reserved + 0.6,
+                "vram_headroom_frac": 1 - reserved / 24.0,
+                "tokens_per_s": value,
+                "step_time_s": 1.5,
+            }
+        elif spec["kind"] == "skipped":
+            attrs |= {"trial.status": "skipped", "skipped.because_of": spec["of"], "skipped.reason": "same setting"}
+            value = specs[spec["of"]].get("tokens_per_s", 0.0)
+        elif spec["kind"] == "running":
+            state, value = TrialState.RUNNING, None
+        else:
+            attrs |= {"trial.status": "failed", "failure.kind": spec["kind"], "failure.step": 2, "failure.message": "x"}
+            if spec["kind"] == "oom":
+                attrs |= {"peak_vram_reserved_gib": 23.1, "oom_request_gib": 2.0}
+                value = 0.0
+            else:
+                state, value = TrialState.FAIL, None
+        study.add_trial(
+            optuna.trial.create_trial(
+                params=spec["params"], distributions=_SPACE, value=value, state=state, user_attrs=attrs
+            )
+        )
+
+
+def test_classes_from_headroom_retries_failures_and_repeats(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path}/gpu.db"
+    _hand_made(
+        storage,
+        "gpu",
+        [
+            _trial(None, 0, reserved=14.0, tokens_per_s=2100.0),  # 42% left
+            _trial(None, 1, reserved=22.5, tokens_per_s=2600.0),  # 6% left: under the 10% margin
+            _trial(None, 3, reserved=15.0, tokens_per_s=1900.0, attrs={"alloc_retries": 3.0}),
+            _trial("oom", 2),
+            _trial("timeout", 4),
+            {**_trial("skipped", 0), "of": 0},
+            _trial("running", 5),
+        ],
+    )
+    sweep = report.load("gpu", tmp_path / "sweeps", storage=storage)
+    assert [(r.verdict, r.detail) for r in sweep.rows] == [
+        ("stable", "headroom 42%"),
+        ("marginal", "headroom 6% < 10%"),
+        ("marginal", "3 allocator retries"),
+        ("failed", "oom at step 2"),
+        ("failed", "timeout at step 2"),
+        ("skipped", "same setting"),
+        ("running", "running"),
+    ]
+    assert sweep.effective(sweep.rows[5]) == "stable"  # a repeat shows on the map as the trial it repeats
+    assert promote.choose(sweep).number == 0  # the faster trial 1 is marginal: not promotable
+    with pytest.raises(promote.NotPromotable, match="trial 1 is marginal"):
+        promote.choose(sweep, trial=1)
+    assert report.load("gpu", tmp_path / "sweeps", storage=storage, margin=0.05).rows[1].verdict == "stable"
+
+    written = report.write(sweep)  # on GPU figures the memory picture draws VRAM against the budget
+    assert all(p.read_bytes().startswith(PNG_SIGNATURE) for p in written.files[1:])
+    assert "Dashed: the budget" in written.files[0].read_text()
+
+
+@pytest.mark.slow
+def test_unknown_study_lists_the_studies_that_exist(swept: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("QLORA_ROOT", str(swept))
+    assert report.main(["no-such-study", "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert "no study 'no-such-study'" in err and f"studies there (latest first): {STUDY}" in err
