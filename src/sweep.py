@@ -11,11 +11,16 @@ of its own, the outcome (or the way the process died) is classified and told bac
   region below every feasible one; other failures are FAIL. Nothing a trial does stops the sweep.
 - Resume and many workers: the study lives in an Optuna RDB storage; a new trial is asked only while the
   study holds fewer than `n_trials` finished + running trials (under a lock), heartbeats mark live trials,
-  and trials of dead workers are failed at start-up with their MLflow runs closed.
+  and trials of dead workers are failed with their MLflow runs closed: at start-up and each time a worker
+  asks. Any number of sweep processes with the same command and one storage are workers of one study; the
+  lock is a file lock for SQLite (one host) and a PostgreSQL advisory lock for `postgresql://` storages (any
+  host). A worker whose study is full waits while other workers' trials still run, so the one that outlives
+  a dead worker fails (or retries) its trial and the study never stalls short of `n_trials`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -27,12 +32,14 @@ import threading
 import time
 import warnings
 from collections import Counter
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import optuna
+import sqlalchemy
 from filelock import FileLock
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -287,6 +294,7 @@ class SweepEngine:
         self.budget = float(config.hardware.vram_budget_gib)
         self.lock = threading.Lock()
         self.host = socket.gethostname()
+        self._lock_engine: sqlalchemy.Engine | None = None
         self.counts: Counter[str] = Counter()
         self.best: tuple[float, int] | None = None
 
@@ -299,12 +307,6 @@ class SweepEngine:
         self.study_dir.mkdir(parents=True, exist_ok=True)
         url = self.storage_url()
         engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-        self.storage = optuna.storages.RDBStorage(
-            url,
-            engine_kwargs=engine_kwargs,
-            heartbeat_interval=self.sweeper.heartbeat_interval_s,
-            grace_period=self.sweeper.grace_period_s,
-        )
         sampler_cfg = OmegaConf.to_container(self.sweeper.sampler, resolve=True) if self.sweeper.sampler else None
         if (
             sampler_cfg
@@ -314,22 +316,66 @@ class SweepEngine:
             sampler_cfg["search_space"] = {
                 k: list(d.choices) for k, d in self.distributions.items() if isinstance(d, CategoricalDistribution)
             }
-        sampler = instantiate(sampler_cfg) if sampler_cfg else None
-        return optuna.create_study(
-            study_name=self.study_name,
-            storage=self.storage,
-            sampler=sampler,
-            directions=self.directions,
-            load_if_exists=True,
-        )
+        if not url.startswith(("sqlite", "postgresql")):
+            log.warning("storage %s: only workers on this host are serialized (a file lock)", url.split(":")[0])
+        # Under the lock: workers started at once on an empty database would race to create Optuna's tables.
+        with self.ask_lock():
+            self.storage = optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=self.sweeper.heartbeat_interval_s,
+                grace_period=self.sweeper.grace_period_s,
+            )
+            study = optuna.create_study(
+                study_name=self.study_name, storage=self.storage, directions=self.directions, load_if_exists=True
+            )
+            joined = int(study.user_attrs.get("sweep.processes", 0))
+            study.set_user_attr("sweep.processes", joined + 1)
+        if sampler_cfg and sampler_cfg.get("seed") is not None:
+            # Processes of one study seeded alike would propose the same points: each process that joins
+            # later (another worker, a resumed sweep) draws from a seed of its own; the first keeps the seed.
+            sampler_cfg["seed"] += joined
+        if sampler_cfg:
+            study.sampler = instantiate(sampler_cfg)
+        return study
 
     def ask_lock(self) -> AbstractContextManager:
-        """Serializes count-then-ask across every worker of the study (all sweeps on this host for SQLite)."""
+        """Serializes count-then-ask across every worker of the study: a file lock for SQLite (the database is
+        on this host anyway), a PostgreSQL advisory lock for a PostgreSQL storage (workers on any host)."""
+        url = self.storage_url()
+        if url.startswith("postgresql"):
+            return self._advisory_lock(url)
         return FileLock(str(self.study_dir / ".ask.lock"))
+
+    @contextmanager
+    def _advisory_lock(self, url: str) -> Iterator[None]:
+        """`pg_advisory_lock` on a connection of its own, held for the critical section only. The server
+        drops the lock with the connection, so a worker that dies inside never blocks the others."""
+        if self._lock_engine is None:
+            # NullPool: one fresh connection per critical section (once per trial), never one left idle
+            self._lock_engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        key = _lock_key(self.study_name)
+        with self._lock_engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            conn.commit()  # nothing else rides on this connection's transaction
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+                conn.commit()
 
     def occupied(self, study: optuna.Study) -> int:
         trials = study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
         return sum(1 for t in trials if not t.user_attrs.get("retried"))
+
+    def others_running(self, study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+        """Running trials of other sweep processes (this process's own are watched by its own threads)."""
+        me = (self.host, os.getpid())
+        return [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if (t.user_attrs.get("worker.host"), t.user_attrs.get("worker.pid")) != me
+        ]
 
     # -- MLflow --
 
@@ -371,7 +417,7 @@ class SweepEngine:
         except Exception:
             return True
 
-    def child_run(self, trial: optuna.Trial, slot: Slot) -> str:
+    def child_run(self, trial: optuna.Trial | optuna.trial.FrozenTrial, slot: Slot) -> str:
         run = self.client.create_run(
             self.experiment_id,
             run_name=f"trial-{trial.number:03d}",
@@ -383,6 +429,12 @@ class SweepEngine:
             },
         )
         return run.info.run_id
+
+    def _runs_of(self, number: int) -> list[str]:
+        runs = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`optuna.trial` = '{number}'", max_results=10
+        )
+        return [r.info.run_id for r in runs if r.data.tags.get("mlflow.parentRunId") == self.parent]
 
     # -- recovery --
 
@@ -405,7 +457,13 @@ class SweepEngine:
         for key, value in {**_attrs(failure), "trial.status": "failed"}.items():
             self.storage.set_trial_user_attr(t._trial_id, key, value)
         run_id = t.user_attrs.get("mlflow_run_id")
-        if run_id and self.client.get_run(run_id).info.status == "RUNNING":
+        if run_id is None:
+            # The worker died before naming the trial's run, or before creating it: one run per trial all the same.
+            run_id = next(iter(self._runs_of(t.number)), None) or self.child_run(t, Slot("unknown", {}))
+            self.storage.set_trial_user_attr(t._trial_id, "mlflow_run_id", run_id)
+        # FINISHED too: the trial recorded itself, but its worker died before telling Optuna, which now holds
+        # it as killed; MLflow must say the same. A FAILED run keeps the trial's own, more precise failure.
+        if self.client.get_run(run_id).info.status in ("RUNNING", "FINISHED"):
             tracking.close_failed(self.client, run_id, failure, status="KILLED")
         if self.sweeper.retry_failed_trials:
             self.storage.set_trial_user_attr(t._trial_id, "retried", True)
@@ -420,8 +478,8 @@ class SweepEngine:
         # Heartbeats are recorded by our own watch loop, not Study.optimize's thread: that is intended.
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
         study = self.open_study()
-        self.open_parent(study)
-        with self.ask_lock():
+        with self.ask_lock():  # workers starting at once: one parent run, one copy of each enqueued trial
+            self.open_parent(study)
             self.recover(study)
             self.enqueue(study)
         slots = discover_slots(self.sweeper)
@@ -434,7 +492,7 @@ class SweepEngine:
             self.study_name,
             n_workers,
             ", ".join(s.name for s in slots[:n_workers]),
-            self.storage_url(),
+            tracking.redact_text(self.storage_url()),
         )
         workers = [threading.Thread(target=self.worker, args=(study, slot), daemon=True) for slot in slots[:n_workers]]
         try:
@@ -445,9 +503,12 @@ class SweepEngine:
                     w.join(timeout=0.5)
         finally:
             self.progress.close()
-            self.refresh_counts(study)
-            self.log_parent_counts()
-            self.client.set_terminated(self.parent, "FINISHED")
+            with self.ask_lock():
+                self.refresh_counts(study)
+                self.log_parent_counts()
+                # The sweep's parent run is every worker's: the last one out closes it.
+                if not self.others_running(study):
+                    self.client.set_terminated(self.parent, "FINISHED")
         self.print_summary(study)
 
     def prepare(self, slot: Slot) -> None:
@@ -480,19 +541,32 @@ class SweepEngine:
     def worker(self, study: optuna.Study, slot: Slot) -> None:
         while True:
             with self.ask_lock():
-                if self.occupied(study) >= self.sweeper.n_trials:
+                self.recover(study)  # a worker elsewhere may have died since: its trials are failed here
+                full = self.occupied(study) >= self.sweeper.n_trials
+                if full and not self.others_running(study):
                     return
-                trial = study.ask(self.distributions)
-                trial.set_user_attr("worker.host", self.host)
-                trial.set_user_attr("worker.pid", os.getpid())
-                trial.set_user_attr("worker.started", _create_time(os.getpid()))
+                if not full:
+                    trial = study.ask(self.distributions)
+                    trial.set_user_attr("worker.host", self.host)
+                    trial.set_user_attr("worker.pid", os.getpid())
+                    trial.set_user_attr("worker.started", _create_time(os.getpid()))
+                    # A first heartbeat at once: a trial without one is never stale, so a worker dying
+                    # before its first beat would leave it running for ever.
+                    self.storage.record_heartbeat(trial._trial_id)
+            if full:
+                # Other workers' last trials still run: if one of them dies, this worker fails (or retries)
+                # its trial, so the study ends at n_trials instead of stalling.
+                time.sleep(self.sweeper.heartbeat_interval_s)
+                continue
             try:
                 self.run_trial(study, trial, slot)
             except Exception as exc:  # the engine's own trouble: record it on the trial, keep sweeping
                 log.exception("trial %d: engine error", trial.number)
-                study.tell(trial, state=TrialState.FAIL)
+                if self.storage.get_trial(trial._trial_id).state.is_finished():
+                    continue  # another worker took it for dead and failed it meanwhile
                 self.storage.set_trial_user_attr(trial._trial_id, "failure.kind", "other")
                 self.storage.set_trial_user_attr(trial._trial_id, "failure.message", first_line(str(exc)))
+                _tell(study, trial, state=TrialState.FAIL)
 
     def run_trial(self, study: optuna.Study, trial: optuna.Trial, slot: Slot) -> None:
         # A custom space's own suggestions stay in Optuna; what it returns is what the trial gets.
@@ -580,7 +654,7 @@ class SweepEngine:
             {"trial.status": "skipped", "skipped.because_of": original.number, "skipped.reason": reason},
         )
         self.client.set_terminated(run_id, "FINISHED")
-        study.tell(trial, original.values)
+        _tell(study, trial, original.values)
         with self.lock:
             self.refresh_counts(study)
             self.log_parent_counts()
@@ -620,16 +694,17 @@ class SweepEngine:
         kind = outcome.failure["kind"] if outcome.failure else None
         if outcome.status == "ok" and all(o in m for o in self.objectives):
             trial.set_constraint("vram_budget", m.get("peak_vram_reserved_gib", 0.0) / self.budget - 1.0)
-            study.tell(trial, [m[o] for o in self.objectives])
+            _tell(study, trial, [m[o] for o in self.objectives])
         elif kind in SETTING_FAILURES:
             trial.set_constraint("vram_budget" if kind in MEMORY else "valid_setting", self.violation(kind, m))
             worst = [0.0 if d == "maximize" else float("inf") for d in self.directions]
-            study.tell(
+            _tell(
+                study,
                 trial,
                 [m.get(o, w) if o.startswith("peak_vram") else w for o, w in zip(self.objectives, worst, strict=True)],
             )
         else:
-            study.tell(trial, state=TrialState.FAIL)
+            _tell(study, trial, state=TrialState.FAIL)
         with self.lock:
             self.counts["running"] -= 1
             self.refresh_counts(study)
@@ -688,8 +763,22 @@ class SweepEngine:
         )
         if self.best:
             print(f"best {self.objectives[0]}: {self.best[0]:.4g} (trial {self.best[1]})")
-        print(f"storage: {self.storage_url()}  |  MLflow: {self.config.tracking.uri} (experiment '{self.study_name}')")
-        print(f"trial logs: {self.study_dir / 'trials'}  |  map: python -m src.report {self.study_name}")
+        where = f"storage: {self.storage_url()}  |  MLflow: {self.config.tracking.uri} (experiment '{self.study_name}')"
+        print(tracking.redact_text(where))
+        report = f"python -m src.report {self.study_name}"
+        if self.sweeper.storage:  # not where the report looks by default
+            report += f" --storage {self.storage_url()} --tracking-uri {self.config.tracking.uri}"
+        print(tracking.redact_text(f"trial logs: {self.study_dir / 'trials'}  |  map: {report}"))
+
+
+def _tell(study: optuna.Study, trial: Any, values: Any = None, state: TrialState | None = None) -> None:
+    """study.tell, tolerating GridSampler's study.stop() once its grid is exhausted: that raises outside
+    Study.optimize, after the trial was told (stopping is n_trials' job here anyway)."""
+    try:
+        study.tell(trial, values, state=state)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
 
 
 def _at_least(value: Any, reference: Any, direction: str | None) -> bool:
@@ -741,3 +830,9 @@ def _progress(sweeper: DictConfig, study_name: str, done: int) -> Any:
         dynamic_ncols=True,
         file=sys.stderr,
     )
+
+
+def _lock_key(study_name: str) -> int:
+    """A stable signed 64-bit key for pg_advisory_lock, one per study (Python's hash() differs per process)."""
+    digest = hashlib.blake2b(f"qlora-sweep:{study_name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)

@@ -33,6 +33,9 @@ SECRET_VALUE_PATTERNS = {
     "a password inside a URI": re.compile(r"(?<=://)[^/\s:@'\"]+:[^/\s@'\"]+(?=@)"),
     "a password in a query string": re.compile(r"(?i)(?<=[?&;\s]password=)[^&\s'\"]+"),
     "an API token": re.compile(r"\b(?:sk|ghp|gho|ghs|github_pat|glpat|xox[abprs])[-_][A-Za-z0-9_-]{16,}"),
+    "an HTTP authorization credential": re.compile(
+        r"(?i)(?<=\bbasic )[A-Za-z0-9+/]{12,}={0,2}|(?<=\bbearer )[A-Za-z0-9._~+/-]{12,}=*"
+    ),
 }
 # `key: value`, `key=value`, `"key": "value"`, `'key': 'value'` with a secret key, in any text (YAML, JSON,
 # a Hydra override, a repr): the value is replaced whatever its shape.
@@ -43,7 +46,8 @@ _KEY_VALUE = re.compile(
 )
 _NOT_SECRET_VALUES = {"null", "none", "true", "false", "''", '""', REDACTED}
 # Environment variables whose values are secrets even when they look like nothing in particular.
-_ENV_SECRET_NAME = re.compile(rf"(?:^|_)(?:{_SECRET_WORDS}|key)$", re.IGNORECASE)
+# PGPASSWORD has no "_" before its secret word.
+_ENV_SECRET_NAME = re.compile(rf"(?:^|_|^PG)(?:{_SECRET_WORDS}|key)$", re.IGNORECASE)
 _MIN_SECRET_LEN = 8  # shorter values ("1", "true") would redact half the text and protect nothing
 
 

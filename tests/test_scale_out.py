@@ -1,0 +1,608 @@
+"""Scale-out on real services: several sweep processes are workers of one study in PostgreSQL and record to one
+`mlflow server` with basic auth; a worker SIGKILLed mid-trial leaves a trial that another worker fails (by its
+heartbeat) and retries; the cluster path submits workers through submitit to a real single-node SLURM.
+
+Each test starts what it needs itself (tests/services.py) on 127.0.0.1 and stops it, pass or fail.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import optuna
+import pytest
+import requests
+from optuna.trial import TrialState
+
+from src.config import PROJECT_DIR
+from src.sweep import Slot, SweepEngine
+from tests.conftest import compose_cfg, run_cli
+
+if TYPE_CHECKING:
+    from tests.services import MlflowServer, Postgres, Slurm
+
+pytest_plugins = ["tests.services"]  # the fixtures postgres, tracking_server, cluster
+pytestmark = pytest.mark.slow
+
+PROBE = ["sweep=demo", "hydra.sweeper.progress=false", "hydra.sweeper.trial_overrides=['trainer.max_steps=4']"]
+
+
+def sweep_args(study: str, storage: str, n_trials: int, server: MlflowServer, *extra: str) -> list[str]:
+    """One worker's command line: the same for every worker (disjoint slots: one CPU slot each)."""
+    return [
+        *PROBE,
+        f"hydra.sweeper.study_name={study}",
+        f"hydra.sweeper.storage={storage}",
+        f"hydra.sweeper.n_trials={n_trials}",
+        "hydra.sweeper.cpu_slots=1",
+        f"tracking.uri={server.url}",
+        *extra,
+    ]
+
+
+def worker_env(root: Path, cache: Path, pg: Postgres, server: MlflowServer) -> dict[str, str]:
+    return {**os.environ, "QLORA_ROOT": str(root), "QLORA_CACHE": str(cache), **pg.env, **server.env}
+
+
+def start_worker(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "src.train", "-m", "hydra/sweeper=optuna", *args],
+            cwd=PROJECT_DIR,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def mlflow_runs(server: MlflowServer, experiment: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server.url)
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def assert_one_run_per_trial(trials: list, runs: list) -> None:
+    parents = [r for r in runs if r.data.tags.get("sweep.role") == "parent"]
+    assert len(parents) == 1, "every worker records into the study's one parent run"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    per_trial = Counter(r.data.tags["optuna.trial"] for r in children)
+    assert per_trial == Counter(str(t.number) for t in trials)
+    by_number = {r.data.tags["optuna.trial"]: r for r in children}
+    for t in trials:
+        assert by_number[str(t.number)].info.run_id == t.user_attrs["mlflow_run_id"]
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    assert parents[0].info.status == "FINISHED"
+
+
+# ---- the cross-host lock ------------------------------------------------------------------------------------
+
+
+def test_postgres_ask_lock_serializes_workers_and_dies_with_its_holder(
+    postgres: Postgres, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PGPASSWORD", postgres.password)
+    storage = postgres.create_db("optuna_lock")
+    cfg = compose_cfg(
+        ["hydra/sweeper=optuna", f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=lock"]
+        + ["trainer.output_dir=/tmp/unused"]
+    )
+    engines = [SweepEngine(cfg, []) for _ in range(3)]  # as if on three hosts: nothing shared but the database
+    inside, most = 0, 0
+    count = threading.Lock()
+
+    def critical(engine: SweepEngine) -> None:
+        nonlocal inside, most
+        for _ in range(5):
+            with engine.ask_lock():
+                with count:
+                    inside += 1
+                    most = max(most, inside)
+                time.sleep(0.02)
+                with count:
+                    inside -= 1
+
+    threads = [threading.Thread(target=critical, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert most == 1
+
+    # A worker SIGKILLed inside the critical section does not block the others: its connection, and with it
+    # the lock, goes with it.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlalchemy, sys, time; from src.sweep import _lock_key\n"
+            f"c = sqlalchemy.create_engine('{storage}').connect()\n"
+            "c.execute(sqlalchemy.text('SELECT pg_advisory_lock(:k)'), {'k': _lock_key('lock')}); c.commit()\n"
+            "print('held', flush=True); time.sleep(600)",
+        ],
+        cwd=PROJECT_DIR,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+
+        def take() -> None:
+            with engines[0].ask_lock():
+                pass
+
+        waiter = threading.Thread(target=take)
+        waiter.start()
+        waiter.join(timeout=2)
+        assert waiter.is_alive(), "the lock is held by the other process"
+        holder.kill()
+        waiter.join(timeout=30)
+        assert not waiter.is_alive()
+    finally:
+        holder.kill()
+
+
+def test_each_process_of_a_study_draws_from_its_own_seed(root: Path) -> None:
+    """Seeded alike, two workers would propose the same settings in the same order; the first process keeps the
+    configured seed, so a sweep run alone stays reproducible."""
+    cfg = compose_cfg(
+        ["hydra/sweeper=optuna", "sweep=demo", "hydra/sweeper/sampler=random", "hydra.sweeper.study_name=seeds"]
+        + ["trainer.output_dir=/tmp/unused"]
+    )
+    first, second = SweepEngine(cfg, []), SweepEngine(cfg, [])
+    proposals = [e.open_study().ask(e.distributions).params for e in (first, second)]
+    assert proposals[0] != proposals[1]
+    alone = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=cfg.hydra.sweeper.sampler.seed))
+    assert alone.ask(first.distributions).params == proposals[0]
+
+
+def test_a_worker_dead_before_naming_its_run_still_leaves_one_closed_run_per_trial(root: Path) -> None:
+    """Recovery closes the run a dead worker created but had not yet named on its trial, and creates one (KILLED)
+    for a trial whose worker died before creating any."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.study_name=orphans", "trainer.output_dir=/tmp/unused"])
+    engine = SweepEngine(cfg, [])
+    study = engine.open_study()
+    engine.open_parent(study)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphans = []
+    for _ in range(2):
+        trial = study.ask(engine.distributions)
+        trial.set_user_attr("worker.host", engine.host)
+        trial.set_user_attr("worker.pid", int(dead.stdout))  # a process that has exited
+        orphans.append(trial)
+    unnamed = engine.child_run(orphans[0], Slot("cpu0", {}))  # created, never set on the trial
+    engine.recover(study)
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL]
+    assert trials[0].user_attrs["mlflow_run_id"] == unnamed
+    client = MlflowClient()
+    for t in trials:
+        run = client.get_run(t.user_attrs["mlflow_run_id"])
+        assert run.info.status == "KILLED" and run.data.tags["failure.kind"] == "killed"
+        assert run.data.tags["optuna.trial"] == str(t.number) and run.data.tags["mlflow.parentRunId"] == engine.parent
+
+
+# ---- two workers, one study, one server --------------------------------------------------------------------
+
+
+@dataclass
+class SharedStudy:
+    name: str
+    storage: str
+    root: Path
+    logs: list[Path]
+    returncodes: list[int]
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def shared_study(
+    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path, postgres: Postgres, tracking_server: MlflowServer
+) -> SharedStudy:
+    """Two sweep processes started at once with the same command on a fresh database: one study of 10 trials."""
+    root = tmp_path_factory.mktemp("shared")
+    storage = postgres.create_db("optuna_shared")  # empty: both workers create Optuna's tables at once
+    # Four settings for ten trials: repeats are recorded as skipped at once, so asks come fast and often (where
+    # a race would over-ask), and the suite stays within minutes on two cores.
+    space = [
+        "data.max_seq_length=choice(192,256)",
+        "lora.r=choice(4,8)",
+        "trainer.gradient_accumulation_steps=choice(1)",
+        "trainer.group_by_length=choice(true)",
+        "hydra.sweeper.enqueue_trials=[]",
+    ]
+    args = sweep_args("shared", storage, 10, tracking_server, *space)
+    env = worker_env(root, cache_dir, postgres, tracking_server)
+    logs = [root / f"worker{i}.log" for i in range(2)]
+    started = time.time()
+    workers = [start_worker(args, env, log) for log in logs]
+    try:
+        returncodes = [w.wait(timeout=420) for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    return SharedStudy("shared", storage, root, logs, returncodes, time.time() - started)
+
+
+def test_two_workers_share_one_study_of_exactly_n_trials(
+    shared_study: SharedStudy, postgres: Postgres, tracking_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = shared_study
+    assert s.returncodes == [0, 0], [log.read_text()[-3000:] for log in s.logs]
+    print(f"\ntwo workers, 10 trials: {s.seconds:.0f}s")
+    monkeypatch.setenv("PGPASSWORD", postgres.password)
+    trials = optuna.load_study(study_name=s.name, storage=s.storage).get_trials()
+    assert len(trials) == 10 and sorted(t.number for t in trials) == list(range(10))
+    assert all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials)
+    launched = [t for t in trials if t.user_attrs.get("trial.status") != "skipped"]
+    assert len(launched) >= 2
+    assert all(t.user_attrs["trial.status"] == "ok" for t in launched), [t.user_attrs for t in launched]
+    # Both processes did the work (each asks as soon as its own slot frees).
+    assert len({t.user_attrs["worker.pid"] for t in trials}) == 2
+    # Trial logs of distinct numbers never collide, whichever worker ran them.
+    assert len(list((s.root / "sweeps" / s.name / "trials").iterdir())) == len(launched)
+
+    for k, v in tracking_server.env.items():
+        monkeypatch.setenv(k, v)
+    runs = mlflow_runs(tracking_server, s.name)
+    assert_one_run_per_trial(trials, runs)
+    # Artifacts go through the server (--serve-artifacts) into its artifact root, not into a local mlruns/.
+    run_id = launched[0].user_attrs["mlflow_run_id"]
+    from mlflow.tracking import MlflowClient
+
+    assert "preflight.txt" in {a.path for a in MlflowClient(tracking_server.url).list_artifacts(run_id)}
+    assert list(tracking_server.artifacts.rglob(f"{run_id}/artifacts/preflight.txt"))
+    assert not (s.root / "mlruns").exists()
+
+
+def test_tracking_server_refuses_strangers_and_never_stores_a_password(
+    shared_study: SharedStudy, postgres: Postgres, tracking_server: MlflowServer, tmp_path: Path
+) -> None:
+    api = f"{tracking_server.url}/api/2.0/mlflow/experiments/search?max_results=5"
+    assert requests.get(api, timeout=30).status_code == 401
+    user = tracking_server.env["MLFLOW_TRACKING_USERNAME"]
+    password = tracking_server.env["MLFLOW_TRACKING_PASSWORD"]
+    assert requests.get(api, auth=(user, password + "x"), timeout=30).status_code == 401
+    assert requests.get(api, auth=(user, password), timeout=30).status_code == 200
+
+    # Report and promotion read the same study and runs through the server.
+    env = {**postgres.env, **tracking_server.env}
+    where = ["--storage", shared_study.storage, "--tracking-uri", tracking_server.url]
+    done = run_cli("src.report", shared_study.name, *where, root=shared_study.root, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    production = tmp_path / "production.yaml"
+    done = run_cli(
+        "src.promote",
+        shared_study.name,
+        *where,
+        "--experiment-file",
+        str(production),
+        root=shared_study.root,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert production.exists()
+
+    # Neither password, nor the Basic header carrying one, is anywhere: the server's databases (runs, params,
+    # tags, users), its artifacts and log, the study folder (trial logs, Hydra configs, report), the workers'
+    # output.
+    secrets = {
+        "MLflow password": password,
+        "MLflow Basic header": base64.b64encode(f"{user}:{password}".encode()).decode(),
+        "PostgreSQL password": postgres.password,
+    }
+    texts = {db: postgres.dump(db) for db in ("mlflow", "mlflow_auth", "optuna_shared")}
+    texts["report/promote output"] = done.stdout + done.stderr
+    assert "\tsweeper\t" in texts["mlflow_auth"] and f"\t{shared_study.name}\t" in texts["mlflow"]  # dumps hold rows
+    files = [
+        *tracking_server.artifacts.rglob("*"),
+        tracking_server.log,
+        *shared_study.root.rglob("*"),
+        production,
+    ]
+    scanned = [f for f in files if f.is_file()]
+    assert len(scanned) > 50
+    for what, secret in secrets.items():
+        assert not [name for name, text in texts.items() if secret in text], what
+        assert not [str(f) for f in scanned if secret.encode() in f.read_bytes()], what
+
+
+# ---- a worker dies mid-trial ---------------------------------------------------------------------------------
+
+
+def test_worker_killed_mid_trial_is_failed_by_heartbeat_and_retried(
+    tmp_path: Path, cache_dir: Path, postgres: Postgres, tracking_server: MlflowServer, monkeypatch
+) -> None:
+    storage = postgres.create_db("optuna_kill")
+    study_name = "kill"
+    args = sweep_args(
+        study_name,
+        storage,
+        2,
+        tracking_server,
+        "hydra.sweeper.heartbeat_interval_s=1",
+        "hydra.sweeper.grace_period_s=4",
+        "hydra.sweeper.retry_failed_trials=true",
+        "hydra.sweeper.enqueue_trials=[]",
+    )
+    env = worker_env(tmp_path, cache_dir, postgres, tracking_server)
+    monkeypatch.setenv("PGPASSWORD", postgres.password)
+    victim = start_worker(args, env, tmp_path / "victim.log")
+    survivor = start_worker(args, env, tmp_path / "survivor.log")
+    try:
+        deadline = time.time() + 180
+        mine = None
+        while mine is None and time.time() < deadline:
+            time.sleep(0.5)
+            try:
+                study = optuna.load_study(study_name=study_name, storage=storage)
+            except KeyError:
+                continue  # not created yet
+            running = study.get_trials(states=(TrialState.RUNNING,))
+            mine = next((t for t in running if t.user_attrs.get("worker.pid") == victim.pid), None)
+            # mid-trial: its process is training
+            if mine and '"training"' not in _read(
+                tmp_path / "sweeps" / study_name / "trials" / f"{mine.number:03d}" / "progress.json"
+            ):
+                mine = None
+        assert mine is not None, (tmp_path / "victim.log").read_text()[-3000:]
+        # As if the victim ran on another node: only its stopped heartbeat can tell that it died.
+        study._storage.set_trial_user_attr(mine._trial_id, "worker.host", "another-node")
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        assert survivor.wait(timeout=300) == 0, (tmp_path / "survivor.log").read_text()[-3000:]
+    finally:
+        for w in (victim, survivor):
+            if w.poll() is None:
+                w.kill()
+
+    trials = optuna.load_study(study_name=study_name, storage=storage).get_trials()
+    killed = trials[mine.number]
+    assert killed.state == TrialState.FAIL and killed.user_attrs["failure.kind"] == "killed"
+    assert killed.user_attrs["retried"] is True
+    retry = [t for t in trials if t.user_attrs.get("retry_of") == mine.number]
+    assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == killed.params
+    counted = [t for t in trials if not t.user_attrs.get("retried")]
+    assert len(counted) == 2 and not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    assert "failed (killed)" in (tmp_path / "survivor.log").read_text()
+
+    for k, v in tracking_server.env.items():
+        monkeypatch.setenv(k, v)
+    runs = mlflow_runs(tracking_server, study_name)
+    assert_one_run_per_trial(trials, runs)
+    run = next(r for r in runs if r.info.run_id == killed.user_attrs["mlflow_run_id"])
+    assert run.info.status == "KILLED" and run.data.tags["failure.kind"] == "killed"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+# ---- cluster workers -----------------------------------------------------------------------------------------
+
+
+def test_cluster_workers_through_submitit(
+    tmp_path: Path,
+    cache_dir: Path,
+    postgres: Postgres,
+    tracking_server: MlflowServer,
+    cluster: Slurm | None,
+    monkeypatch,
+) -> None:
+    """`python -m src.cluster` submits two sweep workers (a SLURM job array when SLURM runs here); they share
+    the study and the server and stop at n_trials together."""
+    storage = postgres.create_db("optuna_cluster")
+    args = sweep_args("cluster", storage, 2, tracking_server)
+    env = {**worker_env(tmp_path, cache_dir, postgres, tracking_server), **(cluster.env if cluster else {})}
+    submission = ["cluster=slurm", "cluster.mem_gb=1"] if cluster else ["cluster=local"]
+    done = run_cli(
+        "src.cluster",
+        *submission,
+        "cluster.workers=2",
+        "cluster.gpus_per_node=0",
+        "cluster.cpus_per_task=1",
+        "cluster.timeout_min=10",
+        "cluster.wait=true",
+        *args,
+        root=tmp_path,
+        env=env,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("done on") == 2, done.stdout
+    folder = tmp_path / "sweeps" / "cluster" / "cluster"  # sweeps/<study>/cluster/[<job>/]
+    results = sorted(p.name for p in folder.rglob("*_result.pkl"))
+    assert len(results) == 2
+    if cluster:
+        assert results[0].split("_")[0] == results[1].split("_")[0], "one SLURM job array"
+    monkeypatch.setenv("PGPASSWORD", postgres.password)
+    trials = optuna.load_study(study_name="cluster", storage=storage).get_trials()
+    assert len(trials) == 2 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert len({t.user_attrs["worker.pid"] for t in trials}) == 2, "each job ran one of the trials"
+    for k, v in tracking_server.env.items():
+        monkeypatch.setenv(k, v)
+    assert_one_run_per_trial(trials, mlflow_runs(tracking_server, "cluster"))
+    # The submitted pickles and the job logs carry no credential: jobs get them from the environment.
+    for f in folder.rglob("*"):
+        if f.is_file():
+            assert postgres.password.encode() not in f.read_bytes()
+            assert tracking_server.env["MLFLOW_TRACKING_PASSWORD"].encode() not in f.read_bytes()
+
+
+def test_cluster_refuses_credentials_on_the_command_line(root: Path) -> None:
+    done = run_cli(
+        "src.cluster",
+        "cluster=local",
+        "hydra.sweeper.storage=postgresql://sweeper:hunter2hunter2@db:5432/optuna",
+        root=root,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "refusing to submit credentials" in done.stderr
+    assert "hunter2hunter2" not in done.stdout + done.stderr
+
+
+def test_every_cluster_config_composes() -> None:
+    from src.cluster import CLUSTER_DIR, load_cluster
+
+    for path in CLUSTER_DIR.glob("*.yaml"):
+        cfg = load_cluster(path.stem, [])
+        assert cfg.executor == path.stem and cfg.workers >= 1
+
+
+# ---- figures (opt-in: QLORA_SCALE_OUT_FIGURES=1) -------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.environ.get("QLORA_SCALE_OUT_FIGURES"), reason="figures for the notes, minutes long")
+def test_scale_out_figures(
+    tmp_path: Path, cache_dir: Path, postgres: Postgres, tracking_server: MlflowServer, monkeypatch
+) -> None:
+    """Prints (1) the recording latency per trial (the engine's storage and MLflow calls plus what a trial process
+    sends to MLflow, training left out) on each backend, (2) the engine's scaling from one worker to two when
+    trials leave the CPU idle (as GPU trials do), (3) the wall time of the same six real CPU trials with one
+    worker on each backend and with two workers."""
+    import threading
+
+    from mlflow.tracking import MlflowClient
+    from omegaconf import OmegaConf
+
+    from src import tracking
+    from src.config import to_container
+    from src.sweep import Outcome
+    from tests.services import start_mlflow_server
+
+    monkeypatch.setenv("QLORA_ROOT", str(tmp_path))
+    monkeypatch.setenv("PGPASSWORD", postgres.password)
+    composed = compose_cfg(["trainer.output_dir=/tmp/unused"])
+    params = tracking.flatten(to_container(OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])))
+    sleep_s = 0.0
+
+    def recording_only(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        """What a trial process sends to MLflow (src/trial.py), and `sleep_s` where the training would be."""
+        client, run_id = MlflowClient(), env["MLFLOW_RUN_ID"]
+        client.update_run(run_id, status="RUNNING")
+        tracking.log_params(client, run_id, params)
+        tracking.set_tags(client, run_id, {f"tag.{i}": "x" * 20 for i in range(20)})
+        tracking.log_text(client, run_id, "preflight\n" * 200, "preflight.txt")
+        time.sleep(sleep_s)
+        heartbeat()
+        tracking.log_metrics(client, run_id, {f"metric_{i}": float(i) for i in range(25)})
+        tracking.set_tags(client, run_id, {"trial.status": "ok"})
+        client.set_terminated(run_id, "FINISHED")
+        return Outcome("ok", metrics={"tokens_per_s": 1.0, "peak_vram_reserved_gib": 1.0})
+
+    monkeypatch.setattr("src.sweep.run_process", recording_only)
+    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+
+    def engine(study: str, n: int, *extra: str) -> SweepEngine:
+        cfg = compose_cfg(
+            ["hydra/sweeper=optuna", "sweep=demo", f"hydra.sweeper.study_name={study}", f"hydra.sweeper.n_trials={n}"]
+            + ["hydra.sweeper.cpu_slots=1", "hydra.sweeper.progress=false", "hydra.sweeper.skip_duplicates=false"]
+            + ["hydra.sweeper.enqueue_trials=[]", "trainer.output_dir=/tmp/unused", *extra]
+        )
+        return SweepEngine(cfg, [])
+
+    no_auth = start_mlflow_server(tmp_path / "srv-open", postgres.create_db("mlflow_open"), postgres.env)
+    uncached = start_mlflow_server(  # MLflow's default: the password's scrypt hash checked on every request
+        tmp_path / "srv-uncached",
+        postgres.create_db("mlflow_uncached"),
+        postgres.env,
+        auth_db_uri=postgres.create_db("mlflow_uncached_auth"),
+        users={"sweeper": tracking_server.env["MLFLOW_TRACKING_PASSWORD"]},
+    )
+    try:
+        n = 20
+        pg = lambda: f"hydra.sweeper.storage={postgres.create_db(f'optuna_{time.time_ns()}')}"  # noqa: E731
+        backends = {
+            "sqlite + mlruns/": ([], {}),
+            "postgres + mlruns/": ([pg()], {}),
+            "postgres + server": ([pg(), f"tracking.uri={no_auth.url}"], {}),
+            "postgres + server, basic auth": ([pg(), f"tracking.uri={uncached.url}"], uncached.env),
+            "postgres + server, basic auth cached 60 s": (
+                [pg(), f"tracking.uri={tracking_server.url}"],
+                tracking_server.env,
+            ),
+        }
+        per_trial: dict[str, float] = {}
+        engine("warm-up", 2).run()  # mlruns/'s database is created and migrated once, outside the figures
+        for i, (label, (extra, creds)) in enumerate(backends.items()):
+            for k, v in creds.items():
+                monkeypatch.setenv(k, v)
+            e = engine(f"latency{i}", n, *extra)
+            started = time.time()
+            e.run()
+            per_trial[label] = (time.time() - started) / n
+        base = per_trial["sqlite + mlruns/"]
+        print(f"\nrecording per trial ({n} trials, training left out), on 2 cores:")
+        for label, seconds in per_trial.items():
+            print(f"  {label:44s} {seconds * 1000:6.0f} ms  (+{(seconds - base) * 1000:.0f} ms)")
+
+        # Scaling of the engine itself: trials that leave the CPU idle for 3 s, like GPU trials.
+        sleep_s, n = 3.0, 12
+        walls = {}
+        for workers in (1, 2):
+            storage = pg()
+            engines = [
+                engine(f"scale{workers}", n, storage, f"tracking.uri={tracking_server.url}") for _ in range(workers)
+            ]
+            started = time.time()
+            threads = [threading.Thread(target=e.run) for e in engines]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            walls[workers] = time.time() - started
+        print(f"{n} GPU-like trials of {sleep_s:g} s: 1 worker {walls[1]:.1f} s, 2 workers {walls[2]:.1f} s")
+    finally:
+        no_auth.stop()
+        uncached.stop()
+    monkeypatch.undo()
+
+    # The same six settings (a grid) as real CPU trials.
+    grid = ["hydra/sweeper/sampler=grid", "data.max_seq_length=choice(192,256,512)", "lora.r=choice(4,8)"]
+    grid += ["trainer.gradient_accumulation_steps=choice(1)", "trainer.group_by_length=choice(true)"]
+    grid += ["hydra.sweeper.enqueue_trials=[]", "hydra.sweeper.skip_duplicates=false"]
+    runs = {
+        "1 worker, sqlite + mlruns/": (1, False),
+        "1 worker, postgres + server": (1, True),
+        "2 workers, postgres + server": (2, True),
+    }
+    real: dict[str, float] = {}
+    for i, (label, (workers, server)) in enumerate(runs.items()):
+        root = tmp_path / f"real{i}"
+        root.mkdir()
+        if server:
+            args = sweep_args(f"real{i}", postgres.create_db(f"optuna_real{i}"), 6, tracking_server, *grid)
+        else:
+            args = [
+                *PROBE,
+                f"hydra.sweeper.study_name=real{i}",
+                "hydra.sweeper.n_trials=6",
+                "hydra.sweeper.cpu_slots=1",
+            ]
+            args += grid
+        env = worker_env(root, cache_dir, postgres, tracking_server)
+        started = time.time()
+        procs = [start_worker(args, env, root / f"w{w}.log") for w in range(workers)]
+        assert [p.wait(timeout=900) for p in procs] == [0] * workers
+        real[label] = time.time() - started
+    print("six real trials (tiny Llama, 4 steps) on 2 cores (CPU-bound: two workers share the same two cores):")
+    for label, seconds in real.items():
+        print(f"  {label:44s} {seconds:5.0f} s")
