@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from typing import Any
 
 from src import report
 from src.config import KNOBS, PROJECT_DIR
+from src.sweep import stop_process_group
 
 CHROMIUM_FLAGS = (
     "--headless",
@@ -69,19 +68,8 @@ def wait_for(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> bytes
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """End a process started in its own session, and everything it spawned (mlflow ui starts job workers)."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-    time.sleep(0.5)
-    with contextlib.suppress(ProcessLookupError):  # workers that outlived the server's own exit
-        os.killpg(proc.pid, signal.SIGKILL)
+    """End the server or browser and everything it spawned (mlflow ui starts job workers)."""
+    stop_process_group(proc, grace_s=10.0)
 
 
 class DevTools:

@@ -20,6 +20,7 @@ of its own, the outcome (or the way the process died) is classified and told bac
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -215,7 +216,7 @@ def run_process(
             stalled = progress.get("phase") == "training" and now - progress.get("time", now) > sweeper.stall_timeout_s
             if now - started > sweeper.trial_timeout_s or stalled:
                 timed_out = True
-                _kill_group(proc)
+                stop_process_group(proc)
     result = _read_json(log_dir / RESULT_FILE)
     if result and not timed_out:
         return Outcome(
@@ -248,17 +249,21 @@ def _last_error_line(stderr: str) -> str:
     return ""
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """End a process started in a session of its own and everything it spawned: SIGTERM to the group, SIGKILL
+    after `grace_s`, then SIGKILL to whatever of the group outlived its leader (a rank, a server's workers)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
         try:
             proc.wait(timeout=wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -66,8 +66,10 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     try:
         report = preflight.run(cfg)  # raises ConfigError / DataError before any GPU work
     except (ConfigError, DataError) as exc:  # a refused trial still records what preflight found
-        tracking.log_text(client, run_id, exc.report.to_text(), "preflight.txt")
-        tracking.set_tags(client, run_id, exc.report.tags())
+        found = getattr(exc, "report", None)  # none when the data could not even be read
+        if found is not None:
+            tracking.log_text(client, run_id, found.to_text(), "preflight.txt")
+            tracking.set_tags(client, run_id, found.tags())
         raise
     tracking.log_text(client, run_id, report.to_text(), "preflight.txt")
     tracking.set_tags(client, run_id, report.tags())

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from src.sweep import _kill_group  # a service in its own session: stopped with all it spawned
+from src.sweep import stop_process_group  # a service in its own session: stopped with all it spawned
 
 PG_USER = "qlora"
 
@@ -174,7 +174,7 @@ class MlflowServer:
         return self.folder / "server.log"
 
     def stop(self) -> None:
-        _kill_group(self.proc)
+        stop_process_group(self.proc)
 
 
 def start_mlflow_server(
@@ -305,7 +305,7 @@ class Slurm:
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "-u", "root"], env={**os.environ, **self.env}, capture_output=True)
         for proc in reversed(self.procs):
-            _kill_group(proc)
+            stop_process_group(proc)
 
 
 def _daemon(name: str) -> str:
