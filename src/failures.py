@@ -156,3 +156,9 @@ def oom_request_gib(message: str) -> float | None:
     if not m:
         return None
     return float(m.group(1)) * _UNITS[m.group(2)[0].upper()] / _GIB
+
+
+def oom_needed_gib(metrics: dict[str, float], budget_gib: float) -> float:
+    """What an OOM trial needed, as measured: what its allocator held at the failure plus the allocation that
+    failed (the budget stands in for a peak that was not recorded)."""
+    return metrics.get("peak_vram_reserved_gib", budget_gib) + metrics.get("oom_request_gib", 0.0)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -46,7 +47,9 @@ def cap_to_budget(budget_gib: float) -> dict[str, float]:
     return {"cuda_context_gib": context / GIB, "device_total_gib": total / GIB, "allocator_cap_gib": usable / GIB}
 
 
+@functools.cache
 def _nvml_handle() -> Any:
+    """This process's device, resolved once (the sampler asks every few milliseconds)."""
     import pynvml
 
     pynvml.nvmlInit()

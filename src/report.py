@@ -29,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from src import tracking
 from src.config import KNOBS, PROJECT_DIR, register_configs
-from src.failures import MEMORY
+from src.failures import MEMORY, oom_needed_gib
 
 DEFAULT_MARGIN = 0.10
 CLASSES = ("stable", "marginal", "failed", "skipped", "pruned", "running")
@@ -527,7 +527,7 @@ def plot_memory(sweep: Sweep, x: str | None, series: str | None, path: Path) -> 
         )
         ooms = [r for r in sweep.rows if r.verdict == "failed" and r.failure_kind in MEMORY and x in r.params]
         for r in ooms:
-            needed = r.metrics.get("peak_vram_reserved_gib", sweep.budget) + r.metrics.get("oom_request_gib", 0.0)
+            needed = oom_needed_gib(r.metrics, sweep.budget)
             ax.plot(
                 pos(r.params[x]),
                 min(max(needed, sweep.budget), 1.15 * sweep.budget),

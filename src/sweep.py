@@ -55,7 +55,7 @@ from optuna.distributions import (
 from optuna.trial import TrialState
 
 from src import tracking
-from src.failures import MEMORY, STICKY_CUDA, classify_exit, first_line
+from src.failures import MEMORY, STICKY_CUDA, classify_exit, first_line, oom_needed_gib
 from src.trial import PROGRESS_FILE, RESULT_FILE
 
 log = logging.getLogger(__name__)
@@ -722,8 +722,7 @@ class SweepEngine:
         budget (at least a hair above 0: it did fail); for a refused setting, 1."""
         if kind not in MEMORY:
             return 1.0
-        needed = m.get("peak_vram_reserved_gib", self.budget) + m.get("oom_request_gib", 0.0)
-        return max(needed / self.budget - 1.0, 0.01)
+        return max(oom_needed_gib(m, self.budget) / self.budget - 1.0, 0.01)
 
     # -- reporting --
 
