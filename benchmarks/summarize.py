@@ -46,12 +46,42 @@ def trials(storage: str, study: str) -> list[dict]:
                 "failure_step": a.get("failure.step"),
                 "failure_message": a.get("failure.message"),
                 "failure_launch_blocking_kind": a.get("failure.launch_blocking_kind"),
+                "skipped_reason": a.get("skipped.reason"),
                 "attention_kernel": a.get("attention.kernel"),
                 **{k: a[k] for k in FIELDS if k in a},
                 "mlflow_run_id": a.get("mlflow_run_id"),
                 "duration_s": (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else None,
             }
         )
+    return out
+
+
+def counts(rows: list[dict]) -> dict[str, int]:
+    """Trials by outcome: ok, skipped (not launched), and failed by failure.kind."""
+    out: dict[str, int] = {}
+    for r in rows:
+        key = f"failed:{r['failure_kind']}" if r["status"] == "failed" else r["status"]
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def oom_by_half(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """How many of the sampler's proposals fell in the OOM region, in the first and second half of the study.
+
+    A proposal is in the OOM region when it ran out of memory, or was skipped as certain to (it dominates an
+    OOM setting on every memory-monotone knob). `launched_oom` counts only the ones that were started.
+    """
+    ordered = sorted(rows, key=lambda r: r["trial"])
+    half = (len(ordered) + 1) // 2
+    out = {}
+    for name, part in (("first", ordered[:half]), ("second", ordered[half:])):
+        oom = [r for r in part if r.get("failure_kind") == "oom"]
+        out[name] = {
+            "trials": len(part),
+            "in_oom_region": len(oom),
+            "launched_oom": sum(r["status"] == "failed" for r in oom),
+            "skipped_certain_oom": sum(r["status"] == "skipped" for r in oom),
+        }
     return out
 
 
@@ -74,11 +104,14 @@ def main() -> None:
         "command": args.command,
         "machine": {**system_tags(), "platform": platform.platform()},
         "wall_time_s": wall,
+        "counts": counts(rows),
+        "oom_region_by_half": oom_by_half(rows),
         "trials": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {args.out}: {len(rows)} trials, {wall:.0f}s wall")
+    print(f"wrote {args.out}: {len(rows)} trials, {wall:.0f}s wall, {result['counts']}")
+    print(f"  OOM region by half: {result['oom_region_by_half']}")
     for r in rows:
         print(
             f"  #{r['trial']:>2} {json.dumps(r['params'])[:90]:90} {r['status']:7} {r.get('failure_kind') or '':6} "

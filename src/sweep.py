@@ -296,6 +296,12 @@ class SweepEngine:
         self.distributions = {k: v for k, v in self.space.items() if isinstance(v, BaseDistribution)}
         self.fixed += [f"{k}={format_value(v)}" for k, v in self.space.items() if not isinstance(v, BaseDistribution)]
         self.custom = get_method(self.sweeper.custom_search_space) if self.sweeper.custom_search_space else None
+        for knob, way in (self.sweeper.memory_monotone or {}).items():
+            if way not in MONOTONE:
+                raise ValueError(
+                    f"hydra.sweeper.memory_monotone.{knob}={way!r}: use one of {', '.join(MONOTONE)} "
+                    "(how peak memory moves as the knob grows)"
+                )
         self.budget = float(config.hardware.vram_budget_gib)
         self.lock = threading.Lock()
         self.host = socket.gethostname()
@@ -785,12 +791,17 @@ def _tell(study: optuna.Study, trial: Any, values: Any = None, state: TrialState
             raise
 
 
+MONOTONE = ("increasing", "decreasing", "neutral")
+
+
 def _at_least(value: Any, reference: Any, direction: str | None) -> bool:
     """Whether `value` needs at least the memory `reference` needs, on a knob that moves memory `direction`."""
     if direction == "increasing":
         return value >= reference
     if direction == "decreasing":
         return value <= reference
+    if direction == "neutral":  # the knob does not move the peak (gradient accumulation: same micro-step)
+        return True
     return value == reference
 
 

@@ -194,3 +194,56 @@ def test_sampler_learns_to_avoid_the_oom_region(root: Path, monkeypatch: pytest.
     assert all(t.constraints["vram_budget"] > 0 for t in skipped), "the sampler is told they are infeasible"
     best = _study(root, "learn").best_trial  # Optuna's best respects the constraint: never an OOM trial
     assert memory({k: best.params[k] for k in SPACE}) <= budget
+
+
+def test_certain_oom_follows_memory_monotone_knobs(root: Path) -> None:
+    """A proposal is skipped as a certain OOM only when it needs at least an OOM setting's memory on every knob:
+    larger on `increasing` ones, equal elsewhere, whatever it is on `neutral` ones (gradient accumulation)."""
+    from types import SimpleNamespace
+
+    from optuna.distributions import CategoricalDistribution
+
+    cfg = compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.study_name=mono", "trainer.output_dir=/tmp/unused"])
+    engine = SweepEngine(cfg, [])
+    space = {
+        "data.max_seq_length": [512, 2048, 4096],
+        "trainer.gradient_accumulation_steps": [1, 2, 8],
+        "lora.r": [8, 16],
+        "trainer.group_by_length": [True, False],
+    }
+    study = optuna.create_study()
+    study.add_trial(
+        optuna.trial.create_trial(
+            params={
+                "data.max_seq_length": 2048,
+                "trainer.gradient_accumulation_steps": 2,
+                "lora.r": 16,
+                "trainer.group_by_length": True,
+            },
+            distributions={k: CategoricalDistribution(v) for k, v in space.items()},
+            value=0.0,
+            user_attrs={"failure.kind": "oom", "trial.status": "failed"},
+        )
+    )
+
+    def certain(seq: int, acc: int, r: int, grouped: bool = True) -> bool:
+        params = {
+            "data.max_seq_length": seq,
+            "trainer.gradient_accumulation_steps": acc,
+            "lora.r": r,
+            "trainer.group_by_length": grouped,
+        }
+        return engine.certain_oom(study, SimpleNamespace(params=params)) is not None
+
+    assert certain(2048, 8, 16) and certain(4096, 1, 16)  # accumulation never changes the peak
+    assert not certain(2048, 2, 8)  # lower rank: might fit
+    assert not certain(512, 2, 16)
+    assert not certain(4096, 2, 16, grouped=False)  # a knob not declared monotone must be equal
+
+
+def test_memory_monotone_typo_is_refused(root: Path) -> None:
+    cfg = compose_cfg(
+        ["hydra/sweeper=optuna", "+hydra.sweeper.memory_monotone.rank=bigger", "trainer.output_dir=/tmp/unused"]
+    )
+    with pytest.raises(ValueError, match=r"memory_monotone\.rank='bigger'.*increasing, decreasing, neutral"):
+        SweepEngine(cfg, [])
