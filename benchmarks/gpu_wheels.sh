@@ -41,6 +41,7 @@ PINS=(
   trl==1.16.0
   peft==0.21.2
   datasets==5.2.0
+  liger-kernel==0.8.5                # trainer.use_liger_kernel: fused RMSNorm, SwiGLU, RoPE (Triton, on the GPU image)
   dill==0.4.1                        # datasets: dill<0.4.2
   multiprocess==0.70.19              # datasets: multiprocess<0.70.20 (py312 wheel)
   # --- config ---

@@ -6,6 +6,7 @@
   samples it, since it has no peak counter.
 - tokens/s counts non-padding tokens (the trainer's `num_input_tokens_seen` in "non_padding" mode) over
   the steps after `measure.warmup_steps`, timed between synchronized step ends.
+- useful model FLOPs (for MFU) are counted from the real rows of every micro-batch: see `FlopCounter`.
 """
 
 from __future__ import annotations
@@ -95,6 +96,66 @@ class NvmlSampler(threading.Thread):
         return self.peak / GIB if self.peak else None
 
 
+class FlopCounter:
+    """Useful training FLOPs of each micro-batch, from its real (non-padding) row lengths.
+
+    Counted per row of L tokens: 4 x P x L for the matmuls (forward 2PL, backward to the inputs 2PL; the
+    frozen 4-bit weights get no weight gradient, LoRA's own weight gradients are under 1% and not counted),
+    with P the weights of every Linear the forward runs (the 4-bit projections, LoRA A/B, lm_head); plus
+    causal attention 6 x layers x d x L^2 (QK^T and AV cost 2 x L^2 x d over the causal half, backward twice
+    the forward). Padding, and the forward that gradient checkpointing recomputes, do not count as work:
+    the hook sits on the whole model's forward, which runs once per micro-batch, not per recompute.
+    """
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        self.layers = int(config.num_hidden_layers)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.attn_width = int(config.num_attention_heads * head_dim)
+        self.params = sum(
+            int(m.in_features) * int(m.out_features)
+            for m in model.modules()
+            if hasattr(m, "in_features") and hasattr(m, "out_features") and isinstance(m, torch.nn.Linear)
+        )
+        self.pending: list[Any] = []
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        lengths = _row_lengths(kwargs)
+        if lengths is not None:
+            self.pending.append(lengths)
+
+    def take(self) -> float:
+        """FLOPs of the micro-batches since the last call."""
+        total = 0.0
+        for lengths in self.pending:
+            lengths = lengths.double()
+            total += 4.0 * self.params * float(lengths.sum()) + 6.0 * self.layers * self.attn_width * float(
+                (lengths**2).sum()
+            )
+        self.pending = []
+        return total
+
+
+def _row_lengths(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """Real lengths of the rows in a batch: from the attention mask, else from padding-free position ids."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        return mask.sum(dim=-1)
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        flat = positions.reshape(-1)
+        starts = torch.nonzero(flat == 0).reshape(-1)
+        ends = torch.cat([starts[1:], torch.tensor([flat.numel()], device=flat.device)])
+        return ends - starts
+    ids = kwargs.get("input_ids")
+    if ids is not None:
+        return torch.full((ids.shape[0],), ids.shape[-1], device=ids.device)
+    return None
+
+
 class Measurements(TrainerCallback):
     """Collects per-step time, tokens and memory; writes `progress.json` at every step for the watchdog."""
 
@@ -111,6 +172,7 @@ class Measurements(TrainerCallback):
         self.startup_s: float | None = None
         self._last_t = 0.0
         self._last_tokens = 0
+        self.flops: FlopCounter | None = None
         self.nvml = NvmlSampler(cfg.measure.nvml_interval_s) if self.cuda else None
         if self.nvml:
             self.nvml.start()
@@ -125,7 +187,9 @@ class Measurements(TrainerCallback):
         if self.cuda:
             torch.cuda.synchronize()
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if model is not None:
+            self.flops = FlopCounter(model)
         self._sync()
         # The per-trial fixed cost: process start (imports included) to the first step.
         self.startup_s = time.time() - psutil.Process().create_time()
@@ -139,6 +203,8 @@ class Measurements(TrainerCallback):
         tokens = state.num_input_tokens_seen
         self.step = state.global_step
         record = {"step": self.step, "time_s": now - self._last_t, "tokens": tokens - self._last_tokens}
+        if self.flops is not None:
+            record["flops"] = self.flops.take()
         if self.cuda:
             record["vram_reserved_gib"] = torch.cuda.memory_reserved() / GIB
             record["vram_allocated_gib"] = torch.cuda.memory_allocated() / GIB
@@ -189,6 +255,12 @@ class Measurements(TrainerCallback):
             m["tokens_per_s"] = sum(s["tokens"] for s in measured) / seconds
             m["samples_per_s"] = self.samples_per_step * len(measured) / seconds
             m["measured_steps"] = float(len(measured))
+            if all("flops" in s for s in measured):
+                # Useful model FLOP/s (FlopCounter); MFU is this over the card's measured bf16 matmul rate.
+                m["model_tflops_per_s"] = sum(s["flops"] for s in measured) / seconds / 1e12
+                m["model_params_matmul"] = float(self.flops.params)
+        if self.steps:
+            m["first_step_s"] = self.steps[0]["time_s"]
         if self.losses:
             m["train_loss"] = statistics.fmean(self.losses)
         return m

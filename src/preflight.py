@@ -178,13 +178,26 @@ def check_config(cfg: DictConfig, report: Report) -> None:
             "set trainer.torch_empty_cache_steps=null",
         )
     _check_parallelism(cfg, report)
-    if cfg.trainer.padding_free and cfg.model.attn_implementation not in ("flash_attention_2", "flash_attention_3"):
+    # Padding-free batches are correct with sdpa and eager too: transformers 5 turns the collator's restarting
+    # position_ids into a block-diagonal mask (masking_utils.find_packed_sequence_indices).
+    if cfg.trainer.padding_free and not cfg.trainer.packing:
         report.add(
             "padding_free",
-            "warning",
-            "trainer.padding_free=true needs a varlen attention kernel to avoid cross-sample attention; "
-            "set model.attn_implementation=flash_attention_2 (if installed) or trainer.padding_free=false",
+            "error",
+            "trainer.padding_free=true without packing: trl 1.16 cannot enforce data.max_seq_length on unpacked "
+            "padding-free batches and refuses them. Set trainer.packing=true (best-fit packing, padding-free, "
+            "rows kept apart by their position ids) or trainer.padding_free=false",
         )
+    if cfg.trainer.use_liger_kernel:
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            report.add(
+                "liger_kernel",
+                "error",
+                "trainer.use_liger_kernel=true, but the liger-kernel package is not installed: "
+                "pip install 'liger-kernel>=0.8' (needs a CUDA GPU with Triton), or set trainer.use_liger_kernel=false",
+            )
     if cfg.fault.kind not in FAULT_KINDS:
         report.add("fault", "error", f"fault.kind={cfg.fault.kind} is not one of {', '.join(FAULT_KINDS)}")
 

@@ -25,6 +25,14 @@ RESULT_FILE = "result.json"
 PROGRESS_FILE = "progress.json"
 
 
+def _mark(state: dict[str, Any], phase: str) -> None:
+    """Seconds from process start to the end of a start-up phase (metrics `startup.<phase>_s`): where the
+    per-trial fixed cost goes."""
+    import psutil
+
+    state.setdefault("phases", {})[f"startup.{phase}_s"] = time.time() - psutil.Process().create_time()
+
+
 def _dataset(cfg: DictConfig, tokenizer: Any, world_size: int) -> tuple[Any, dict[str, float]]:
     """The chat dataset for this trial (a probe gets a subset that holds the longest rows) and length stats."""
     import numpy as np
@@ -58,6 +66,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     from src.faults import FaultInjector
     from src.measure import AttentionProbe, Measurements, cap_to_budget
 
+    _mark(state, "libraries")
     client, run_id = state["client"], state["run_id"]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # The watchdog reads the trial's progress file; in a data-parallel trial rank 0 writes it.
@@ -73,17 +82,22 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
         raise
     tracking.log_text(client, run_id, report.to_text(), "preflight.txt")
     tracking.set_tags(client, run_id, report.tags())
+    _mark(state, "preflight")
 
     state["budget"] = cap_to_budget(cfg.hardware.vram_budget_gib)
+    _mark(state, "cuda_init")
     model, tokenizer = models.load(cfg)
+    _mark(state, "model_load")
     model = preflight.guard_device_moves(model)  # a 4-bit / dispatched model must never be moved with .to()
     model = prepare_model_for_kbit_training(
         model,
         use_gradient_checkpointing=cfg.trainer.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
     )
+    _mark(state, "kbit_prepare")
     dataset, stats = _dataset(cfg, tokenizer, world_size=world_size)
     tracking.log_metrics(client, run_id, stats)
+    _mark(state, "dataset")
     trainer = SFTTrainer(
         model=model,
         args=SFTConfig(**sft_kwargs(cfg, use_cpu=not torch.cuda.is_available())),
@@ -97,6 +111,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     for callback in (probe, meas, guards, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)):
         trainer.add_callback(callback)
     state["trainer"] = trainer
+    _mark(state, "trainer_init")
     trainer.train()
     if cfg.trainer.save_adapter:
         adapter = out_dir / "adapter"
@@ -125,11 +140,13 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     client, run_id = _open_run(cfg)
     launch_blocking = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
     state: dict[str, Any] = {"client": client, "run_id": run_id}
+    _mark(state, "python_and_mlflow")
     failure: Failure | None = None
     try:
         if not client.get_run(run_id).data.params:  # a re-run (CUDA_LAUNCH_BLOCKING) keeps its first params
             tracking.log_params(client, run_id, tracking.flatten(to_container(cfg)))
         tracking.set_tags(client, run_id, {**tracking.system_tags(), "model.name": cfg.model.name})
+        _mark(state, "record_config")
         _train(cfg, out_dir, state)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits
         failure = _failure_of(exc, state.get("meas"))
@@ -178,6 +195,7 @@ def _record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Fail
     if "peak_vram_reserved_gib" in metrics:
         metrics["vram_headroom_frac"] = 1.0 - metrics["peak_vram_reserved_gib"] / budget
     metrics.update(state.get("budget", {}))
+    metrics.update(state.get("phases", {}))
     if failure and failure.kind == "oom":
         requested = oom_request_gib(failure.message)
         if requested is not None:

@@ -1,0 +1,276 @@
+"""How fast the system maps a card, and how fast the settings it finds train (issue: benchmark).
+
+    python -m benchmarks.map_h200 [--slots 5] [--model llama3_8b_synthetic] [--budget-gib 24]
+
+On a GPU machine, in one run:
+1. the card's bf16 matmul rate (`benchmarks.matmul_rate`), the denominator of MFU;
+2. the model built and quantized once (`python -m src.models`; timed apart: once per machine, not per map);
+3. the speed map (`conf/sweep/speed_map.yaml`, 96 settings) through the sweep engine, `--slots` trials at once
+   on the card, each capped at the budget; settings certain to OOM are recorded as skipped, not launched;
+4. the seed's setting and the map's fastest stable settings re-measured alone (the card to themselves, longer
+   probes): the map's own throughput is from a shared card and only ranks settings;
+5. `benchmarks/results/map_<model>_<budget>gib.json`.
+
+"Best stable" only considers settings that train what the seed trains: the same rank and max_seq_length at
+least the seed's (a shorter max_seq_length would be faster by truncating the data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+
+from src.tracking import system_tags
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED = {
+    "data.max_seq_length": 1024,
+    "trainer.per_device_train_batch_size": 1,
+    "trainer.gradient_checkpointing": True,
+    "trainer.group_by_length": True,
+    "trainer.packing": False,
+}
+SOLO_OVERRIDES = ["trainer.max_steps=6", "trainer.warmup_steps=0", "measure.warmup_steps=2"]
+MFU_COUNTING = (
+    "MFU = useful model FLOP/s / the card's bf16 dense matmul rate measured in this run (8192^3 products). "
+    "Useful FLOPs per row of L real tokens: 4 x P x L (P = in x out summed over every Linear the forward runs: "
+    "the 4-bit projections, LoRA A/B and lm_head; forward 2PL + backward to the inputs 2PL, no weight "
+    "gradients for frozen weights; LoRA's own weight gradients, <1%, not counted) + causal attention "
+    "6 x layers x d x L^2. Padding tokens and the forward recomputed by gradient checkpointing are not counted: "
+    "lengths come from each micro-batch's attention mask (or padding-free position ids), read by a hook on the "
+    "model's forward, which runs once per micro-batch (src/measure.py FlopCounter)."
+)
+
+
+def sh(cmd: list[str], log: Path, timeout: float | None = None, env: dict | None = None) -> tuple[int, float]:
+    """Run a command, its output to `log`; (exit code, seconds)."""
+    import psutil
+
+    start = time.time()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # Trials run in their own sessions: end every descendant, not only the engine.
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+            rc = 124
+    return rc, time.time() - start
+
+
+def params_of(attrs_params: dict) -> dict:
+    return {k: attrs_params[k] for k in SEED if k in attrs_params}
+
+
+def overrides(setting: dict) -> list[str]:
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in setting.items()]
+
+
+def map_trials(storage: str, study: str) -> list[dict]:
+    rows = []
+    for t in optuna.load_study(study_name=study, storage=storage).get_trials(deepcopy=False):
+        a = t.user_attrs
+        rows.append(
+            {
+                "trial": t.number,
+                "setting": params_of(t.params),
+                "status": a.get("trial.status", t.state.name.lower()),
+                "failure_kind": a.get("failure.kind"),
+                "failure_step": a.get("failure.step"),
+                "skipped_reason": a.get("skipped.reason"),
+                "attention_kernel": a.get("attention.kernel"),
+                **{
+                    k: a[k]
+                    for k in (
+                        "peak_vram_reserved_gib",
+                        "peak_vram_allocated_gib",
+                        "tokens_per_s",
+                        "model_tflops_per_s",
+                        "step_time_s",
+                        "startup_s",
+                        "first_step_s",
+                        "oom_request_gib",
+                    )
+                    if k in a
+                },
+                "started": t.datetime_start.timestamp() if t.datetime_start else None,
+                "ended": t.datetime_complete.timestamp() if t.datetime_complete else None,
+            }
+        )
+    return rows
+
+
+def solo(setting: dict, args: argparse.Namespace, out: Path, name: str) -> dict:
+    """One trial alone on the card (the engine is idle): its result.json."""
+    run_dir = out / "solo" / name
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "src.train", f"model={args.model}", "data=clinical_notes",
+        f"hardware.vram_budget_gib={args.budget_gib}", "preflight.max_truncated_answer_frac=1.0",
+        *SOLO_OVERRIDES, *overrides(setting), f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    rc, seconds = sh(cmd, out / f"solo_{name}.log", timeout=args.solo_timeout_s)
+    result_file = run_dir / "result.json"
+    result = json.loads(result_file.read_text()) if result_file.exists() else {"status": "failed", "metrics": {}}
+    m = result.get("metrics", {})
+    return {
+        "setting": setting,
+        "status": result.get("status"),
+        "failure": result.get("failure"),
+        "exit_code": rc,
+        "wall_s": seconds,
+        "attention_kernel": result.get("attention_kernel"),
+        **{k: v for k, v in m.items() if not k.startswith("startup.")},
+        "startup_phases_s": {k[len("startup.") : -2]: v for k, v in m.items() if k.startswith("startup.")},
+        "probe": SOLO_OVERRIDES,
+    }
+
+
+def with_mfu(entry: dict, peak_tflops: float | None) -> dict:
+    if peak_tflops and entry.get("model_tflops_per_s"):
+        entry["mfu"] = entry["model_tflops_per_s"] / peak_tflops
+    return entry
+
+
+def trains_what_the_seed_trains(setting: dict) -> bool:
+    return setting["data.max_seq_length"] >= SEED["data.max_seq_length"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3_8b_synthetic")
+    p.add_argument("--budget-gib", type=float, default=24)
+    p.add_argument("--slots", type=int, default=5, help="trials at once on the card during the map")
+    p.add_argument("--map-timeout-s", type=float, default=420)
+    p.add_argument("--solo-timeout-s", type=float, default=120)
+    p.add_argument("--candidates", type=int, default=2, help="fastest stable settings re-measured alone")
+    p.add_argument("--liger", action="store_true", help="also re-measure the fastest with Liger's kernels")
+    p.add_argument("--deadline-s", type=float, default=None, help="no solo trial starts past this (from start)")
+    p.add_argument("--extra", nargs="*", default=[], help="more overrides for every map trial")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    t0 = time.time()
+
+    def in_time(need_s: float = 45) -> bool:
+        return args.deadline_s is None or time.time() - t0 + need_s <= args.deadline_s
+
+    budget = f"{args.budget_gib:g}"
+    out_file = Path(
+        args.out or ROOT / "benchmarks" / "results" / f"map_{args.model.replace('_synthetic', '')}_{budget}gib.json"
+    )
+    root = Path(os.environ.get("QLORA_ROOT", ROOT))
+    logs = root / "benchmark_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    result: dict = {"model": args.model, "vram_budget_gib": args.budget_gib, "machine": system_tags()}
+
+    rc, _ = sh([sys.executable, "-m", "benchmarks.matmul_rate"], logs / "matmul.log")
+    line = (logs / "matmul.log").read_text().strip().splitlines()
+    result["matmul"] = json.loads(line[-1]) if rc == 0 and line else {"error": "\n".join(line[-5:])}
+    peak = result["matmul"].get("bf16_tflops")
+    print(f"bf16 matmul: {peak} TFLOP/s", flush=True)
+
+    rc, result["build_s"] = sh([sys.executable, "-m", "src.models", f"model={args.model}"], logs / "build.log")
+    print(f"model built and quantized in {result['build_s']:.0f}s (rc {rc})", flush=True)
+
+    study = f"speed-map-{args.model}-{budget}gib"
+    cmd = [
+        sys.executable, "-m", "src.train", "-m", "sweep=speed_map", f"model={args.model}", "data=clinical_notes",
+        f"hardware.vram_budget_gib={budget}", "preflight.max_truncated_answer_frac=1.0",
+        f"hydra.sweeper.slots_per_gpu={args.slots}", "hydra.sweeper.launch_blocking_rerun=false",
+        f"hydra.sweeper.study_name={study}",
+        "hydra.sweeper.progress=false", *args.extra,
+    ]  # fmt: skip
+    result["map_command"] = "python -m src.train " + " ".join(cmd[3:])
+    print(result["map_command"], flush=True)
+    rc, map_s = sh(cmd, logs / "map.log", timeout=args.map_timeout_s)
+    storage = f"sqlite:///{root / 'sweeps' / study / 'optuna.db'}"
+    rows = map_trials(storage, study)
+    launched = [r for r in rows if r["status"] in ("ok", "failed")]
+    result.update(
+        {
+            "map_exit_code": rc,
+            "map_wall_s": map_s,
+            "gpu_minutes": map_s / 60,  # one card, held for the whole map
+            "slots": args.slots,
+            "settings": len(rows),
+            "launched": len(launched),
+            "configs": [r for r in rows if r["status"] in ("ok", "failed")],
+            "skipped": [r for r in rows if r["status"] == "skipped"],
+            "per_trial_fixed_s": statistics.median(r["startup_s"] for r in launched if "startup_s" in r)
+            if any("startup_s" in r for r in launched)
+            else None,
+            "per_trial_fixed_s_note": f"median start-up (process start to first step) of the map's trials, "
+            f"{args.slots} starting at once on one machine",
+        }
+    )
+    counts: dict[str, int] = {}
+    for r in rows:
+        key = f"failed:{r['failure_kind']}" if r["status"] == "failed" else r["status"]
+        counts[key] = counts.get(key, 0) + 1
+    result["counts"] = counts
+    print(f"map: {len(rows)} settings in {map_s:.0f}s ({counts}), fixed cost {result['per_trial_fixed_s']}", flush=True)
+
+    stable = [
+        r
+        for r in rows
+        if r["status"] == "ok"
+        and r.get("tokens_per_s")
+        and r.get("peak_vram_reserved_gib", 0) <= args.budget_gib * 0.9
+        and trains_what_the_seed_trains(r["setting"])
+    ]
+    stable.sort(key=lambda r: -r["tokens_per_s"])
+    candidates = [r["setting"] for r in stable[: args.candidates]]
+    result["seed_config"] = with_mfu(solo(SEED, args, root / "benchmark", "seed"), peak)
+    print(f"seed alone: {result['seed_config'].get('tokens_per_s')} tokens/s", flush=True)
+    alone = []
+    for i, setting in enumerate(candidates):
+        if not in_time():
+            result.setdefault("not_measured_alone", []).append({"setting": setting, "why": "out of time"})
+            continue
+        entry = with_mfu(solo(setting, args, root / "benchmark", f"candidate{i}"), peak)
+        alone.append(entry)
+        print(f"candidate {setting} alone: {entry.get('tokens_per_s')} tokens/s", flush=True)
+    fastest = max((e for e in alone if e.get("tokens_per_s")), key=lambda e: e["tokens_per_s"], default=None)
+    if args.liger and fastest and in_time():
+        setting = {**fastest["setting"], "trainer.use_liger_kernel": True}
+        entry = with_mfu(solo(setting, args, root / "benchmark", "fastest_liger"), peak)
+        alone.append(entry)
+        print(f"with Liger kernels {setting} alone: {entry.get('tokens_per_s')} tokens/s", flush=True)
+    result["candidates_alone"] = alone
+    ok = [e for e in alone if e["status"] == "ok" and e.get("tokens_per_s")]
+    result["best_stable"] = max(ok, key=lambda e: e["tokens_per_s"]) if ok else None
+    if result["best_stable"] and result["seed_config"].get("tokens_per_s"):
+        result["speedup_vs_seed"] = result["best_stable"]["tokens_per_s"] / result["seed_config"]["tokens_per_s"]
+    result["solo_fixed_s"] = [e.get("startup_s") for e in [result["seed_config"], *alone]]
+    result["total_wall_s"] = time.time() - t0
+    result["mfu_counting"] = MFU_COUNTING
+    result["best_stable_rule"] = (
+        "fastest re-measured-alone setting among the map's stable ones (peak reserved <= 90% of the budget, "
+        "no OOM) with max_seq_length >= the seed's, rank and accumulation as the seed's (fixed in the map)"
+    )
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {out_file}", flush=True)
+    for key in ("seed_config", "best_stable"):
+        e = result.get(key) or {}
+        print(
+            f"{key}: {e.get('setting')} tokens/s={e.get('tokens_per_s')} "
+            f"reserved={e.get('peak_vram_reserved_gib')} mfu={e.get('mfu')}"
+        )
+    print(f"speedup {result.get('speedup_vs_seed')}; gpu minutes {result['gpu_minutes']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
