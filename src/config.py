@@ -177,6 +177,7 @@ KNOBS = (
     "trainer.gradient_checkpointing",
     "model.attn_implementation",
     "trainer.padding_free",
+    "trainer.packing",
     "trainer.use_liger_kernel",
 )
 

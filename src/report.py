@@ -44,6 +44,7 @@ _LABELS = {
     "trainer.gradient_checkpointing": "ckpt",
     "model.attn_implementation": "attn",
     "trainer.padding_free": "pad_free",
+    "trainer.packing": "packing",
     "trainer.use_liger_kernel": "liger",
     "fault.kind": "fault",
 }
