@@ -198,7 +198,8 @@ def test_sampler_learns_to_avoid_the_oom_region(root: Path, monkeypatch: pytest.
 
 def test_certain_oom_follows_memory_monotone_knobs(root: Path) -> None:
     """A proposal is skipped as a certain OOM only when it needs at least an OOM setting's memory on every knob:
-    larger on `increasing` ones, equal elsewhere, whatever it is on `neutral` ones (gradient accumulation)."""
+    larger on `increasing` ones, equal on undeclared ones, whatever it is on `neutral` ones (accumulation,
+    group_by_length)."""
     from types import SimpleNamespace
 
     from optuna.distributions import CategoricalDistribution
@@ -210,35 +211,36 @@ def test_certain_oom_follows_memory_monotone_knobs(root: Path) -> None:
         "trainer.gradient_accumulation_steps": [1, 2, 8],
         "lora.r": [8, 16],
         "trainer.group_by_length": [True, False],
+        "trainer.packing": [True, False],
     }
+
+    def setting(seq: int, acc: int, r: int, grouped: bool = True, packed: bool = False) -> dict:
+        return {
+            "data.max_seq_length": seq,
+            "trainer.gradient_accumulation_steps": acc,
+            "lora.r": r,
+            "trainer.group_by_length": grouped,
+            "trainer.packing": packed,
+        }
+
     study = optuna.create_study()
     study.add_trial(
         optuna.trial.create_trial(
-            params={
-                "data.max_seq_length": 2048,
-                "trainer.gradient_accumulation_steps": 2,
-                "lora.r": 16,
-                "trainer.group_by_length": True,
-            },
+            params=setting(2048, 2, 16),
             distributions={k: CategoricalDistribution(v) for k, v in space.items()},
             value=0.0,
             user_attrs={"failure.kind": "oom", "trial.status": "failed"},
         )
     )
 
-    def certain(seq: int, acc: int, r: int, grouped: bool = True) -> bool:
-        params = {
-            "data.max_seq_length": seq,
-            "trainer.gradient_accumulation_steps": acc,
-            "lora.r": r,
-            "trainer.group_by_length": grouped,
-        }
-        return engine.certain_oom(study, SimpleNamespace(params=params)) is not None
+    def certain(*args: object, **kwargs: object) -> bool:
+        return engine.certain_oom(study, SimpleNamespace(params=setting(*args, **kwargs))) is not None
 
     assert certain(2048, 8, 16) and certain(4096, 1, 16)  # accumulation never changes the peak
+    assert certain(4096, 2, 16, grouped=False)  # nor does the order of the batches
     assert not certain(2048, 2, 8)  # lower rank: might fit
     assert not certain(512, 2, 16)
-    assert not certain(4096, 2, 16, grouped=False)  # a knob not declared monotone must be equal
+    assert not certain(4096, 2, 16, packed=True)  # a knob not declared must be equal
 
 
 def test_memory_monotone_typo_is_refused(root: Path) -> None:
