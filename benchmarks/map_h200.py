@@ -18,8 +18,10 @@ least the seed's (a shorter max_seq_length would be faster by truncating the dat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,11 +62,18 @@ def sh(cmd: list[str], log: Path, timeout: float | None = None, env: dict | None
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            # Trials run in their own sessions: end every descendant, not only the engine.
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.wait()
+            # Ctrl-C first: the engine closes its runs; then end every descendant (trials have sessions of their
+            # own) and wait until they are gone, so that nothing else holds the card afterwards.
+            family = []
+            with contextlib.suppress(psutil.NoSuchProcess):
+                engine = psutil.Process(proc.pid)
+                family = [engine, *engine.children(recursive=True)]
+            proc.send_signal(signal.SIGINT)
+            _, alive = psutil.wait_procs(family, timeout=10)
+            for p in alive:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(alive, timeout=30)
             rc = 124
     return rc, time.time() - start
 
@@ -115,6 +124,7 @@ def solo(setting: dict, args: argparse.Namespace, out: Path, name: str) -> dict:
     """One trial alone on the card (the engine is idle): its result.json."""
     run_dir = out / "solo" / name
     out.mkdir(parents=True, exist_ok=True)
+    (run_dir / "result.json").unlink(missing_ok=True)  # a stale one must not pass for this run's
     cmd = [
         sys.executable, "-m", "src.train", f"model={args.model}", "data=clinical_notes",
         f"hardware.vram_budget_gib={args.budget_gib}", "preflight.max_truncated_answer_frac=1.0",
@@ -162,7 +172,7 @@ def main() -> int:
     args = p.parse_args()
     t0 = time.time()
 
-    def in_time(need_s: float = 45) -> bool:
+    def in_time(need_s: float = args.solo_timeout_s) -> bool:
         return args.deadline_s is None or time.time() - t0 + need_s <= args.deadline_s
 
     budget = f"{args.budget_gib:g}"
@@ -175,15 +185,17 @@ def main() -> int:
     result: dict = {"model": args.model, "vram_budget_gib": args.budget_gib, "machine": system_tags()}
 
     rc, _ = sh([sys.executable, "-m", "benchmarks.matmul_rate"], logs / "matmul.log")
-    line = (logs / "matmul.log").read_text().strip().splitlines()
-    result["matmul"] = json.loads(line[-1]) if rc == 0 and line else {"error": "\n".join(line[-5:])}
+    lines = (logs / "matmul.log").read_text().strip().splitlines()
+    result["matmul"] = next((json.loads(x) for x in reversed(lines) if x.startswith('{"bf16_tflops"')), None) or {
+        "error": "\n".join(lines[-5:])
+    }
     peak = result["matmul"].get("bf16_tflops")
     print(f"bf16 matmul: {peak} TFLOP/s", flush=True)
 
     rc, result["build_s"] = sh([sys.executable, "-m", "src.models", f"model={args.model}"], logs / "build.log")
     print(f"model built and quantized in {result['build_s']:.0f}s (rc {rc})", flush=True)
 
-    study = f"speed-map-{args.model}-{budget}gib"
+    study = f"speed-map-{args.model}-{budget}gib-{time.strftime('%Y%m%d-%H%M%S')}"  # a new study per run
     cmd = [
         sys.executable, "-m", "src.train", "-m", "sweep=speed_map", f"model={args.model}", "data=clinical_notes",
         f"hardware.vram_budget_gib={budget}", "preflight.max_truncated_answer_frac=1.0",
@@ -195,7 +207,11 @@ def main() -> int:
     print(result["map_command"], flush=True)
     rc, map_s = sh(cmd, logs / "map.log", timeout=args.map_timeout_s)
     storage = f"sqlite:///{root / 'sweeps' / study / 'optuna.db'}"
-    rows = map_trials(storage, study)
+    try:
+        rows = map_trials(storage, study)
+    except KeyError:  # the engine died before it created the study: keep what was measured
+        rows = []
+        result["map_error"] = (logs / "map.log").read_text()[-4000:]
     launched = [r for r in rows if r["status"] in ("ok", "failed")]
     result.update(
         {
@@ -241,14 +257,13 @@ def main() -> int:
         entry = with_mfu(solo(setting, args, root / "benchmark", f"candidate{i}"), peak)
         alone.append(entry)
         print(f"candidate {setting} alone: {entry.get('tokens_per_s')} tokens/s", flush=True)
-    fastest = max((e for e in alone if e.get("tokens_per_s")), key=lambda e: e["tokens_per_s"], default=None)
+    ok = [e for e in alone if e["status"] == "ok" and e.get("tokens_per_s")]
+    fastest = max(ok, key=lambda e: e["tokens_per_s"], default=None)
     if args.liger and fastest and in_time():
         setting = {**fastest["setting"], "trainer.use_liger_kernel": True}
-        entry = with_mfu(solo(setting, args, root / "benchmark", "fastest_liger"), peak)
-        alone.append(entry)
-        print(f"with Liger kernels {setting} alone: {entry.get('tokens_per_s')} tokens/s", flush=True)
+        result["liger_alone"] = with_mfu(solo(setting, args, root / "benchmark", "fastest_liger"), peak)
+        print(f"with Liger kernels {setting} alone: {result['liger_alone'].get('tokens_per_s')} tokens/s", flush=True)
     result["candidates_alone"] = alone
-    ok = [e for e in alone if e["status"] == "ok" and e.get("tokens_per_s")]
     result["best_stable"] = max(ok, key=lambda e: e["tokens_per_s"]) if ok else None
     if result["best_stable"] and result["seed_config"].get("tokens_per_s"):
         result["speedup_vs_seed"] = result["best_stable"]["tokens_per_s"] / result["seed_config"]["tokens_per_s"]

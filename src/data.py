@@ -90,18 +90,27 @@ def length_stats(lengths: np.ndarray) -> dict[str, float]:
     }
 
 
-def probe_rows(lengths: np.ndarray, n_rows: int, batch: int, seed: int) -> np.ndarray:
+def probe_rows(lengths: np.ndarray, n_rows: int, batch: int, seed: int, pack_to: int | None = None) -> np.ndarray:
     """Indices of the rows a short run trains on: the `batch` longest rows plus a seeded random rest.
 
     A probe sees only a few batches. Padding makes every batch as long as its longest row, so holding the
     longest rows guarantees the probe meets the data set's longest (padded) batch, and with it the peak a
     full epoch would reach. With group_by_length the sampler also puts that batch first.
+
+    With packing (`pack_to` = max_seq_length) a batch holds `batch` packed rows, each as full as the data
+    allows, and its size is what was packed into it, not its longest row: the probe then takes rows until
+    they hold `n_rows` full packed rows' worth of tokens, so that its bins fill as a whole epoch's would.
     """
-    if n_rows >= len(lengths):
+    if n_rows >= len(lengths) and pack_to is None:
         return np.arange(len(lengths))
     longest = np.argsort(-lengths, kind="stable")[:batch]
     rest = np.setdiff1d(np.arange(len(lengths)), longest)
     rng = np.random.default_rng(seed)
+    if pack_to is not None:
+        order = np.concatenate([longest, rng.permutation(rest)])
+        filled = np.cumsum(np.minimum(lengths[order], pack_to))
+        take = int(np.searchsorted(filled, n_rows * pack_to)) + 1
+        return np.sort(order[:take])
     picked = rng.choice(rest, size=n_rows - len(longest), replace=False)
     return np.sort(np.concatenate([longest, picked]))
 

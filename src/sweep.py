@@ -54,7 +54,7 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from src import tracking
+from src import launcher, tracking
 from src.failures import MEMORY, STICKY_CUDA, classify_exit, first_line, oom_needed_gib
 from src.trial import PROGRESS_FILE, RESULT_FILE
 
@@ -169,6 +169,7 @@ class Outcome:
     recorded: bool = True  # the trial ended its MLflow run itself
     attention_kernel: str | None = None
     log_dir: Path | None = None
+    launcher: str = "interpreter"
 
 
 def _child_setup() -> None:
@@ -198,13 +199,21 @@ def run_process(
     log_dir.mkdir(parents=True, exist_ok=True)
     for stale in (RESULT_FILE, PROGRESS_FILE):
         (log_dir / stale).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "src.train", *overrides, f"hydra.run.dir={log_dir}"]
+    argv = [*overrides, f"hydra.run.dir={log_dir}"]
+    cmd = [sys.executable, "-m", "src.train", *argv]
     (log_dir / "command.txt").write_text(tracking.redact_text(" ".join(cmd)) + "\n")
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env}
+    extra_env = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env}
+    preload = _preload_modules(sweeper.get("preload"))
+    ctx = launcher.forkserver(preload) if preload else None
     started = time.time()
     timed_out = False
     with (log_dir / "stdout.log").open("wb") as out, (log_dir / "stderr.log").open("wb") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env, preexec_fn=_child_setup)  # noqa: PLW1509
+        if ctx is not None:  # forked from the warm interpreter: no imports to pay (src/launcher.py)
+            proc: Any = launcher.start(ctx, argv, log_dir / "stdout.log", log_dir / "stderr.log", extra_env)
+        else:
+            proc = subprocess.Popen(  # noqa: PLW1509 - the child's own session, see _child_setup
+                cmd, stdout=out, stderr=err, env={**os.environ, **extra_env}, preexec_fn=_child_setup
+            )
         last_beat = 0.0
         while proc.poll() is None:
             time.sleep(0.2)
@@ -217,6 +226,7 @@ def run_process(
             if now - started > sweeper.trial_timeout_s or stalled:
                 timed_out = True
                 stop_process_group(proc)
+    how = "forkserver" if ctx is not None else "interpreter"
     result = _read_json(log_dir / RESULT_FILE)
     if result and not timed_out:
         return Outcome(
@@ -225,6 +235,7 @@ def run_process(
             failure=result.get("failure"),
             attention_kernel=result.get("attention_kernel"),
             log_dir=log_dir,
+            launcher=how,
         )
     stderr = _tail(log_dir / "stderr.log")
     progress = _read_json(log_dir / PROGRESS_FILE)
@@ -239,7 +250,22 @@ def run_process(
         message = first_line(_last_error_line(stderr)) or (
             f"process ended by signal {signal.Signals(sig).name}" if sig else f"process exited with {proc.returncode}"
         )
-    return Outcome("failed", failure={"kind": kind, "message": message, "step": step}, recorded=False, log_dir=log_dir)
+    return Outcome(
+        "failed",
+        failure={"kind": kind, "message": message, "step": step},
+        recorded=False,
+        log_dir=log_dir,
+        launcher=how,
+    )
+
+
+def _preload_modules(setting: Any) -> list[str]:
+    """`hydra.sweeper.preload`: false (fresh interpreters), true (launcher.DEFAULT_PRELOAD) or a module list."""
+    if not setting:
+        return []
+    if setting is True:
+        return list(launcher.DEFAULT_PRELOAD)
+    return [str(m) for m in setting]
 
 
 def _last_error_line(stderr: str) -> str:
@@ -608,6 +634,7 @@ class SweepEngine:
             self.counts["running"] += 1
             self.update_progress()
         outcome = run_process(overrides, log_dir, env, self.sweeper, heartbeat)
+        tracking.set_tags(self.client, run_id, {"trial.launcher": outcome.launcher})
         if outcome.failure and outcome.failure["kind"] in STICKY_CUDA and self.sweeper.launch_blocking_rerun:
             outcome = self.rerun_launch_blocking(overrides, log_dir, env, run_id, outcome, heartbeat)
         if not outcome.recorded:
@@ -632,8 +659,9 @@ class SweepEngine:
         """A trial that ran out of memory with a setting this one can only need more memory than.
 
         Peak memory only grows with the knobs in `memory_monotone` (longer sequences, bigger per-device batch,
-        higher rank, checkpointing off); with every other knob equal, a proposal at or beyond an OOM setting
-        on each of them would OOM too. It is not launched (`skipped`) and Optuna is told it is infeasible.
+        higher rank, checkpointing off) and does not move with its `neutral` ones (accumulation and batch
+        order, on padded batches); with every other knob equal, a proposal at or beyond an OOM setting on each
+        of them would OOM too. It is not launched (`skipped`) and Optuna is told it is infeasible.
         """
         monotone = dict(self.sweeper.memory_monotone or {})
         if not monotone:
@@ -644,9 +672,25 @@ class SweepEngine:
                 continue
             if set(t.params) != set(proposal):
                 continue
-            if all(_at_least(proposal[k], t.params[k], monotone.get(k)) for k in proposal):
+            # A packed (padding-free) micro-batch is as large as the rows packed into it: which rows share a
+            # batch (group_by_length) and how many rows the probe has (accumulation) then move the peak.
+            packed = self.packed(proposal) or self.packed(t.params)
+            rules = {k: ("equal" if packed and v == "neutral" else v) for k, v in monotone.items()}
+            if all(_at_least(proposal[k], t.params[k], rules.get(k)) for k in proposal):
                 return t
         return None
+
+    def packed(self, params: dict[str, Any]) -> bool:
+        """Whether a setting trains on packed or padding-free batches (its own value, else the sweep's)."""
+        for key in ("trainer.packing", "trainer.padding_free"):
+            if key in params:
+                value = params[key]
+            else:
+                fixed = [o.split("=", 1)[1] for o in self.fixed if o.split("=", 1)[0].lstrip("+") == key]
+                value = fixed[-1].lower() == "true" if fixed else OmegaConf.select(self.config, key, default=False)
+            if value is True or value == "true":
+                return True
+        return False
 
     def skip(
         self, study: optuna.Study, trial: optuna.Trial, original: optuna.trial.FrozenTrial, run_id: str, reason: str
@@ -700,6 +744,7 @@ class SweepEngine:
         for key, value in {**m, **_attrs(outcome.failure)}.items():
             trial.set_user_attr(key, value)
         trial.set_user_attr("trial.status", outcome.status)
+        trial.set_user_attr("trial.launcher", outcome.launcher)
         if outcome.attention_kernel:
             trial.set_user_attr("attention.kernel", outcome.attention_kernel)
         kind = outcome.failure["kind"] if outcome.failure else None

@@ -47,7 +47,8 @@ def _dataset(cfg: DictConfig, tokenizer: Any, world_size: int) -> tuple[Any, dic
     t = cfg.trainer
     if t.max_steps > 0:
         rows = t.max_steps * t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size
-        keep = probe_rows(truncated, rows, t.per_device_train_batch_size, cfg.data.seed)
+        pack_to = cfg.data.max_seq_length if t.packing else None  # packed rows fill up like a full epoch's
+        keep = probe_rows(truncated, rows, t.per_device_train_batch_size, cfg.data.seed, pack_to=pack_to)
         chats = [chats[i] for i in keep]
     stats = {f"data.{k}": v for k, v in length_stats(lengths).items()}
     stats["data.rows"] = float(len(df))
@@ -85,7 +86,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     _mark(state, "preflight")
 
     state["budget"] = cap_to_budget(cfg.hardware.vram_budget_gib)
-    _mark(state, "cuda_init")
+    _mark(state, "budget_cap")
     model, tokenizer = models.load(cfg)
     _mark(state, "model_load")
     model = preflight.guard_device_moves(model)  # a 4-bit / dispatched model must never be moved with .to()
@@ -145,8 +146,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     try:
         if not client.get_run(run_id).data.params:  # a re-run (CUDA_LAUNCH_BLOCKING) keeps its first params
             tracking.log_params(client, run_id, tracking.flatten(to_container(cfg)))
-        tracking.set_tags(client, run_id, {**tracking.system_tags(), "model.name": cfg.model.name})
-        _mark(state, "record_config")
+        _mark(state, "log_params")
+        tags = tracking.system_tags()  # imports torch and creates the CUDA context (device properties)
+        _mark(state, "torch_and_cuda")
+        tracking.set_tags(client, run_id, {**tags, "model.name": cfg.model.name})
         _train(cfg, out_dir, state)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits
         failure = _failure_of(exc, state.get("meas"))

@@ -31,13 +31,17 @@ def _runs(client, experiment: str) -> list:
 
 
 @pytest.mark.slow
-def test_every_fault_kind_is_classified_and_the_sweep_goes_on(root: Path, mlflow_client) -> None:
+@pytest.mark.parametrize("launcher", ["interpreter", "forkserver"])
+def test_every_fault_kind_is_classified_and_the_sweep_goes_on(root: Path, mlflow_client, launcher: str) -> None:
+    """Fresh interpreters, or forks of a warm preloaded one (hydra.sweeper.preload): the same isolation."""
     n = len(SCENARIOS)
+    name = f"faults-{launcher}"
     done = run_cli(
         "src.train",
         "-m",
         "hydra/sweeper=optuna",
-        "hydra.sweeper.study_name=faults",
+        f"hydra.sweeper.study_name={name}",
+        f"hydra.sweeper.preload={str(launcher == 'forkserver').lower()}",
         f"hydra.sweeper.n_trials={n}",
         "hydra.sweeper.custom_search_space=tests.sweep_scenarios.fault_scenarios",
         "hydra.sweeper.stall_timeout_s=6",
@@ -48,9 +52,10 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(root: Path, mlflow
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    study = _study(root, "faults")
+    study = _study(root, name)
     trials = study.get_trials()
     assert len(trials) == n
+    assert {t.user_attrs.get("trial.launcher") for t in trials} == {launcher}
     assert not [t.number for t in trials if t.state == TrialState.RUNNING]
     seen = {t.params["scenario"]: t for t in trials}
     assert set(seen) == set(SCENARIOS)
@@ -65,7 +70,7 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(root: Path, mlflow
     # The step where it happened, when training had started.
     assert seen["oom"].user_attrs["failure.step"] == 2 and seen["segfault"].user_attrs["failure.step"] == 2
 
-    runs = {r.data.tags.get("optuna.trial"): r for r in _runs(mlflow_client, "faults")}
+    runs = {r.data.tags.get("optuna.trial"): r for r in _runs(mlflow_client, name)}
     parent = next(r for r in runs.values() if r.data.tags.get("sweep.role") == "parent")
     children = [r for r in runs.values() if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(children) == n and not [r for r in runs.values() if r.info.status == "RUNNING"]
@@ -92,7 +97,7 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(root: Path, mlflow
     assert parent.info.status == "FINISHED"
     # Each trial's own logs.
     for t in trials:
-        assert (root / "sweeps" / "faults" / "trials" / f"{t.number:03d}" / "stderr.log").exists()
+        assert (root / "sweeps" / name / "trials" / f"{t.number:03d}" / "stderr.log").exists()
 
 
 @pytest.mark.slow
@@ -241,6 +246,17 @@ def test_certain_oom_follows_memory_monotone_knobs(root: Path) -> None:
     assert not certain(2048, 2, 8)  # lower rank: might fit
     assert not certain(512, 2, 16)
     assert not certain(4096, 2, 16, packed=True)  # a knob not declared must be equal
+    # Packed batches are as big as what is packed into them: order and accumulation are no longer neutral.
+    study.add_trial(
+        optuna.trial.create_trial(
+            params=setting(2048, 2, 16, packed=True),
+            distributions={k: CategoricalDistribution(v) for k, v in space.items()},
+            value=0.0,
+            user_attrs={"failure.kind": "oom", "trial.status": "failed"},
+        )
+    )
+    assert certain(4096, 2, 16, packed=True) and not certain(2048, 8, 16, packed=True)
+    assert not certain(2048, 2, 16, grouped=False, packed=True)
 
 
 def test_memory_monotone_typo_is_refused(root: Path) -> None:

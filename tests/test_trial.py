@@ -129,6 +129,17 @@ def test_probe_rows_hold_the_longest_rows() -> None:
     assert probe_rows(lengths, n_rows=50, batch=2, seed=0).tolist() == list(range(10))
 
 
+def test_packed_probe_holds_enough_rows_to_fill_its_packed_rows() -> None:
+    """With packing, a batch is as big as what is packed into it: the probe takes rows until they fill
+    n_rows packed rows of max_seq_length tokens, the longest rows always among them."""
+    lengths = np.array([100, 900, 50, 300, 700, 120, 80, 400, 60, 1200] * 5)
+    rows = probe_rows(lengths, n_rows=3, batch=1, seed=0, pack_to=1024)
+    assert 9 in rows  # the longest row (1200, truncated to 1024)
+    assert np.minimum(lengths[rows], 1024).sum() >= 3 * 1024
+    assert np.minimum(lengths[rows], 1024).sum() < 4 * 1024  # no more rows than needed
+    assert len(probe_rows(lengths[:4], n_rows=50, batch=1, seed=0, pack_to=1024)) == 4  # all there is
+
+
 @pytest.mark.parametrize(
     "exc,kind",
     [

@@ -46,6 +46,7 @@ class OptunaSweeperConf:
     headroom_margin: float = 0.10
     skip_duplicates: bool = True
     memory_monotone: dict[str, str] = field(default_factory=dict)
+    preload: Any = False
     progress: bool = True
 
 

@@ -1,0 +1,147 @@
+"""How a trial's process starts: a fresh interpreter (`python -m src.train ...`), or a fork of a warm one.
+
+A fresh interpreter imports torch, transformers, peft, trl, mlflow... for every trial: 20-25 s of a trial's
+~30 s start-up on the H200 image (benchmarks/results/import_profile_h200.json). With `hydra.sweeper.preload`
+naming modules, trials are started by multiprocessing's forkserver, which imported those modules once: every
+trial is still a new OS process in a session of its own, with its own CUDA context, killed and classified the
+same way; only the imported code is shared (copy-on-write).
+
+Only modules that leave CUDA alone on import may be preloaded: a process forked after CUDA was initialized
+cannot use it. bitsandbytes reads the device's compute capability as it loads (and peft, trl's trainer and
+`transformers.Trainer` import it), so those load in the trial. The forkserver asks torch about GPUs through
+NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1), and before the first trial a probe child checks that CUDA still works
+after the fork; if it does not, trials start as fresh interpreters, with a warning.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Safe to preload (none imports bitsandbytes or creates a CUDA context); missing ones are skipped.
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "accelerate",
+    "datasets",
+    "mlflow",
+    "pandas",
+    "sklearn",
+    "torchvision",
+    "hydra",
+    "src.config",
+    "src.tracking",
+    "src.data",
+    "src.models",
+    "src.failures",
+)
+_lock = threading.Lock()
+_context: Any = None  # the forkserver context once it proved safe, False once it did not
+
+
+class ForkedTrial:
+    """A forked trial with the part of `subprocess.Popen` the engine uses (pid, poll, wait, returncode)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("trial", timeout or 0)
+        return self.process.exitcode
+
+
+def forkserver(preload: list[str]) -> Any:
+    """The forkserver context with `preload` imported, or None where forking a warm interpreter is unsafe."""
+    global _context
+    with _lock:
+        if _context is None:
+            _context = _start(preload)
+        return _context or None
+
+
+def _start(preload: list[str]) -> Any:
+    if sys.platform != "linux":
+        log.warning("hydra.sweeper.preload needs Linux (fork); trials start as fresh interpreters")
+        return False
+    # Inherited by the forkserver (and the trials): torch.cuda.is_available() then asks NVML, not the driver.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    probe = ctx.Process(target=_probe, name="preload-probe")
+    probe.start()
+    probe.join(300)
+    if probe.exitcode != 0:
+        if probe.exitcode is None:
+            probe.kill()
+        log.warning(
+            "hydra.sweeper.preload: a child forked from the preloaded interpreter cannot use CUDA (probe exit %s; "
+            "a preloaded module initialized CUDA or imported bitsandbytes); trials start as fresh interpreters",
+            probe.exitcode,
+        )
+        return False
+    return ctx
+
+
+def _probe() -> None:
+    if "bitsandbytes" in sys.modules:
+        sys.exit(3)
+    import torch
+
+    if torch.cuda._is_in_bad_fork():
+        sys.exit(4)
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+
+
+def start(ctx: Any, argv: list[str], stdout: Path, stderr: Path, env: dict[str, str]) -> ForkedTrial:
+    """Fork `python -m src.train argv` from the forkserver: same output files, environment and exit codes."""
+    process = ctx.Process(target=_trial_main, args=(argv, str(stdout), str(stderr), env), name="trial")
+    process.start()
+    return ForkedTrial(process)
+
+
+def _trial_main(argv: list[str], stdout: str, stderr: str, env: dict[str, str]) -> None:
+    """In the forked trial: what `python -m src.train` would be, in its own session, output to its files."""
+    import runpy
+
+    from src.sweep import _child_setup
+
+    _child_setup()  # own session (killed as a group), dies with its parent
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stdout
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    faulthandler.enable(file=sys.stderr)  # what PYTHONFAULTHANDLER gives a fresh interpreter
+    os.environ.update(env)
+    sys.argv = [str(Path(__file__).with_name("train.py")), *argv]
+    try:
+        runpy.run_module("src.train", run_name="__main__", alter_sys=True)
+    finally:
+        # A forked child leaves with os._exit: flush what atexit would have.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
