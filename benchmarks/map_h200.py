@@ -120,7 +120,7 @@ def map_trials(storage: str, study: str) -> list[dict]:
     return rows
 
 
-def solo(setting: dict, args: argparse.Namespace, out: Path, name: str) -> dict:
+def solo(setting: dict, args: argparse.Namespace, out: Path, name: str, extra: list[str] | None = None) -> dict:
     """One trial alone on the card (the engine is idle): its result.json."""
     run_dir = out / "solo" / name
     out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def solo(setting: dict, args: argparse.Namespace, out: Path, name: str) -> dict:
     cmd = [
         sys.executable, "-m", "src.train", f"model={args.model}", "data=clinical_notes",
         f"hardware.vram_budget_gib={args.budget_gib}", "preflight.max_truncated_answer_frac=1.0",
-        *SOLO_OVERRIDES, *overrides(setting), f"hydra.run.dir={run_dir}",
+        *SOLO_OVERRIDES, *overrides(setting), *(extra or []), f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     rc, seconds = sh(cmd, out / f"solo_{name}.log", timeout=args.solo_timeout_s)
     result_file = run_dir / "result.json"
@@ -166,6 +166,7 @@ def main() -> int:
     p.add_argument("--solo-timeout-s", type=float, default=120)
     p.add_argument("--candidates", type=int, default=2, help="fastest stable settings re-measured alone")
     p.add_argument("--liger", action="store_true", help="also re-measure the fastest with Liger's kernels")
+    p.add_argument("--profile", action="store_true", help="also profile one step of the best stable (kernels)")
     p.add_argument("--deadline-s", type=float, default=None, help="no solo trial starts past this (from start)")
     p.add_argument("--extra", nargs="*", default=[], help="more overrides for every map trial")
     p.add_argument("--out", default=None)
@@ -264,6 +265,12 @@ def main() -> int:
         result["liger_alone"] = with_mfu(solo(setting, args, root / "benchmark", "fastest_liger"), peak)
         print(f"with Liger kernels {setting} alone: {result['liger_alone'].get('tokens_per_s')} tokens/s", flush=True)
     result["candidates_alone"] = alone
+    if args.profile and fastest and in_time():
+        # A run of its own: the profiled step is slower, so its figures stay out of the measured ones.
+        profiled = solo(fastest["setting"], args, root / "benchmark", "fastest_profile", ["measure.profile_step=4"])
+        profile = root / "benchmark" / "solo" / "fastest_profile" / "profile.txt"
+        result["best_stable_profile"] = profile.read_text() if profile.exists() else profiled.get("failure")
+        print(result["best_stable_profile"], flush=True)
     result["best_stable"] = max(ok, key=lambda e: e["tokens_per_s"]) if ok else None
     if result["best_stable"] and result["seed_config"].get("tokens_per_s"):
         result["speedup_vs_seed"] = result["best_stable"]["tokens_per_s"] / result["seed_config"]["tokens_per_s"]

@@ -106,6 +106,7 @@ class MeasureConfig:
     warmup_steps: int = 2
     nvml_interval_s: float = 0.05
     profile_attention: bool = True
+    profile_step: int | None = None  # profile this step's kernels (profile.txt): where a step's time goes
 
 
 @dataclass

@@ -325,3 +325,88 @@ class AttentionProbe(TrainerCallback):
     @property
     def tag(self) -> str:
         return ",".join(sorted(self.kernels)) or "not_profiled"
+
+
+# Kernel families of a QLoRA step, matched on the kernel's name (first match wins).
+KERNEL_FAMILIES = (
+    ("bitsandbytes dequantize", ("dequant", "kDequantize")),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "cublas", "nvjet", "xmma", "matmul", "addmm", "aten::mm", "aten::bmm")),
+    ("optimizer", ("adam", "optimizer")),
+    ("copy and cast", ("copy", "cast", "to_copy", "memcpy", "memset", "fill")),
+    ("normalization", ("norm", "rsqrt")),
+)
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    for family, needles in KERNEL_FAMILIES:
+        if any(n.lower() in lowered for n in needles):
+            return family
+    return "other (elementwise, reductions, ...)"
+
+
+class StepProfiler(TrainerCallback):
+    """torch.profiler over one step: where that step's time went, by kernel family and by kernel.
+
+    On a GPU the table is GPU kernel time (self device time per kernel); without one, CPU op time. Written to
+    `path` (and logged by the trial as an artifact)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step = step
+        self.path = path
+        self._prof: Any = None
+        self.text: str | None = None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step + 1 != self.step:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+        self._prof = torch.profiler.profile(activities=activities)
+        self._prof.__enter__()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        self.text = self.summarize(self._prof.key_averages())
+        self._prof = None
+        self.path.write_text(self.text)
+
+    def summarize(self, events: Any) -> str:
+        cuda = torch.cuda.is_available()
+        rows = []
+        for evt in events:
+            if cuda:
+                if "CUDA" not in str(getattr(evt, "device_type", "")):
+                    continue
+                us = float(getattr(evt, "self_device_time_total", 0.0))
+            else:
+                us = float(evt.self_cpu_time_total)
+            if us > 0:
+                rows.append((evt.key, us, int(evt.count)))
+        if cuda and not rows:  # kernels not listed apart: the ops, with the device time of their kernels
+            rows = [
+                (evt.key, float(getattr(evt, "self_device_time_total", 0.0)), int(evt.count))
+                for evt in events
+                if getattr(evt, "self_device_time_total", 0.0) > 0
+            ]
+        total = sum(us for _, us, _ in rows) or 1.0
+        families: dict[str, float] = {}
+        for name, us, _ in rows:
+            families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + us
+        what = "GPU kernel time" if cuda else "CPU op time (no GPU)"
+        lines = [f"Step {self.step}: {total / 1e3:.1f} ms of {what}", "", "By family:"]
+        lines += [
+            f"  {f:38} {us / 1e3:10.1f} ms {100 * us / total:5.1f}%"
+            for f, us in sorted(families.items(), key=lambda kv: -kv[1])
+        ]
+        lines += ["", "Heaviest kernels:", f"  {'ms':>9} {'%':>5} {'calls':>6}  name"]
+        for name, us, count in sorted(rows, key=lambda r: -r[1])[:30]:
+            lines.append(f"  {us / 1e3:9.1f} {100 * us / total:5.1f} {count:6d}  {name[:120]}")
+        return "\n".join(lines) + "\n"

@@ -65,7 +65,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     from src import models, preflight
     from src.config import sft_kwargs
     from src.faults import FaultInjector
-    from src.measure import AttentionProbe, Measurements, cap_to_budget
+    from src.measure import AttentionProbe, Measurements, StepProfiler, cap_to_budget
 
     _mark(state, "libraries")
     client, run_id = state["client"], state["run_id"]
@@ -109,11 +109,19 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     probe = state["attention"] = AttentionProbe(at_step=max(1, cfg.measure.warmup_steps))
     # The probe first: its profiler teardown then falls inside its own (warm-up) step, not the next one.
     guards = preflight.CheckpointingGuard(cfg.trainer.gradient_checkpointing)
-    for callback in (probe, meas, guards, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)):
+    callbacks = [probe, meas, guards, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)]
+    if cfg.measure.profile_step:
+        if cfg.measure.profile_step == probe.at_step:  # two profilers cannot nest: the step profile shows it too
+            probe.at_step = 0
+        state["profiler"] = StepProfiler(cfg.measure.profile_step, out_dir / "profile.txt")
+        callbacks.insert(1, state["profiler"])
+    for callback in callbacks:
         trainer.add_callback(callback)
     state["trainer"] = trainer
     _mark(state, "trainer_init")
     trainer.train()
+    if state.get("profiler") is not None and state["profiler"].text:
+        tracking.log_text(client, run_id, state["profiler"].text, "profile.txt")
     if cfg.trainer.save_adapter:
         adapter = out_dir / "adapter"
         trainer.model.save_pretrained(adapter)

@@ -69,7 +69,7 @@ def test_lora_moves_and_4bit_base_stays_frozen(root: Path) -> None:
 
 
 def test_trial_records_every_contract_metric_and_tag(root: Path, mlflow_client) -> None:
-    done = run_cli("src.train", "trainer=probe", "trainer.max_steps=5", root=root)
+    done = run_cli("src.train", "trainer=probe", "trainer.max_steps=5", "measure.profile_step=4", root=root)
     assert done.returncode == 0, done.stderr[-3000:]
     run = _only_run(mlflow_client)
     m, tags, params = run.data.metrics, run.data.tags, run.data.params
@@ -98,6 +98,15 @@ def test_trial_records_every_contract_metric_and_tag(root: Path, mlflow_client) 
     assert steps == [1, 2, 3, 4, 5]
     result = json.loads(next((root / "sweeps" / "single").glob("*/result.json")).read_text())
     assert result["status"] == "ok" and result["run_id"] == run.info.run_id
+    # Useful FLOP/s: 4 x the Linear weights per real token, plus causal attention (a few % at these lengths).
+    matmul_only = 4 * m["model_params_matmul"] * m["tokens_per_s"] / 1e12
+    assert matmul_only <= m["model_tflops_per_s"] < 1.5 * matmul_only
+    # Where the start-up went: cumulative phase ends, in order, all before the first step.
+    phases = [m[f"startup.{p}_s"] for p in ("python_and_mlflow", "torch_and_cuda", "model_load", "trainer_init")]
+    assert phases == sorted(phases) and phases[-1] <= m["startup_s"]
+    profile = mlflow_client.download_artifacts(run.info.run_id, "profile.txt", str(root))
+    text = Path(profile).read_text()
+    assert text.startswith("Step 4:") and "By family:" in text and "matmul" in text
 
 
 def test_missing_data_file_is_a_clear_data_error(root: Path, mlflow_client) -> None:
