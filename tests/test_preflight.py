@@ -167,6 +167,24 @@ def test_device_map_across_gpus_with_data_parallel_is_refused(root: Path, monkey
     assert "model.device_map=auto" in message and "remove model.device_map" in message
 
 
+def test_padding_free_without_packing_is_refused_and_packing_accepted(root: Path) -> None:
+    message = _refusal(["trainer.padding_free=true", "trainer.per_device_train_batch_size=4"])
+    assert "trainer.padding_free=true without packing" in message and "Set trainer.packing=true" in message
+    report = preflight.run(compose_cfg(["trainer.packing=true", "trainer.per_device_train_batch_size=4"]), data=False)
+    assert not [f for f in report.findings if f.check == "padding_free"]
+
+
+def test_liger_kernel_without_the_package_is_refused(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a)
+    )
+    message = _refusal(["trainer.use_liger_kernel=true"])
+    assert "liger-kernel package is not installed" in message and "trainer.use_liger_kernel=false" in message
+
+
 def test_data_parallel_without_a_distributed_launch_warns(root: Path) -> None:
     report = preflight.run(compose_cfg(["hardware.parallelism=data_parallel"]), data=False)
     (finding,) = [f for f in report.findings if f.check == "parallelism"]
