@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-import optuna
-
+from benchmarks import summarize
 from src.tracking import system_tags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,37 +86,8 @@ def overrides(setting: dict) -> list[str]:
 
 
 def map_trials(storage: str, study: str) -> list[dict]:
-    rows = []
-    for t in optuna.load_study(study_name=study, storage=storage).get_trials(deepcopy=False):
-        a = t.user_attrs
-        rows.append(
-            {
-                "trial": t.number,
-                "setting": params_of(t.params),
-                "status": a.get("trial.status", t.state.name.lower()),
-                "failure_kind": a.get("failure.kind"),
-                "failure_step": a.get("failure.step"),
-                "skipped_reason": a.get("skipped.reason"),
-                "attention_kernel": a.get("attention.kernel"),
-                **{
-                    k: a[k]
-                    for k in (
-                        "peak_vram_reserved_gib",
-                        "peak_vram_allocated_gib",
-                        "tokens_per_s",
-                        "model_tflops_per_s",
-                        "step_time_s",
-                        "startup_s",
-                        "first_step_s",
-                        "oom_request_gib",
-                    )
-                    if k in a
-                },
-                "started": t.datetime_start.timestamp() if t.datetime_start else None,
-                "ended": t.datetime_complete.timestamp() if t.datetime_complete else None,
-            }
-        )
-    return rows
+    """The study's trials as `benchmarks.summarize` reads them, each with its setting of the speed knobs."""
+    return [{**row, "setting": params_of(row["params"])} for row in summarize.trials(storage, study)]
 
 
 def solo(setting: dict, args: argparse.Namespace, out: Path, name: str, extra: list[str] | None = None) -> dict:
@@ -183,7 +153,7 @@ def main() -> int:
     root = Path(os.environ.get("QLORA_ROOT", ROOT))
     logs = root / "benchmark_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    result: dict = {"model": args.model, "vram_budget_gib": args.budget_gib, "machine": system_tags()}
+    result: dict = {"model": args.model, "vram_budget_gib": args.budget_gib}
 
     rc, _ = sh([sys.executable, "-m", "benchmarks.matmul_rate"], logs / "matmul.log")
     lines = (logs / "matmul.log").read_text().strip().splitlines()
@@ -231,11 +201,7 @@ def main() -> int:
             f"{args.slots} starting at once on one machine",
         }
     )
-    counts: dict[str, int] = {}
-    for r in rows:
-        key = f"failed:{r['failure_kind']}" if r["status"] == "failed" else r["status"]
-        counts[key] = counts.get(key, 0) + 1
-    result["counts"] = counts
+    result["counts"] = counts = summarize.counts(rows)
     print(f"map: {len(rows)} settings in {map_s:.0f}s ({counts}), fixed cost {result['per_trial_fixed_s']}", flush=True)
 
     stable = [
@@ -276,6 +242,8 @@ def main() -> int:
         result["speedup_vs_seed"] = result["best_stable"]["tokens_per_s"] / result["seed_config"]["tokens_per_s"]
     result["solo_fixed_s"] = [e.get("startup_s") for e in [result["seed_config"], *alone]]
     result["total_wall_s"] = time.time() - t0
+    # Last: it imports torch and opens a CUDA context, which must not sit on the card during the map.
+    result["machine"] = system_tags()
     result["mfu_counting"] = MFU_COUNTING
     result["best_stable_rule"] = (
         "fastest re-measured-alone setting among the map's stable ones (peak reserved <= 90% of the budget, "

@@ -21,10 +21,12 @@ FIELDS = (
     "vram_budget_gib",
     "vram_headroom_frac",
     "tokens_per_s",
+    "model_tflops_per_s",
     "samples_per_s",
     "step_time_s",
     "train_loss",
     "startup_s",
+    "first_step_s",
     "cuda_context_gib",
     "allocator_cap_gib",
     "oom_request_gib",
@@ -51,6 +53,8 @@ def trials(storage: str, study: str) -> list[dict]:
                 **{k: a[k] for k in FIELDS if k in a},
                 "mlflow_run_id": a.get("mlflow_run_id"),
                 "duration_s": (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else None,
+                "started": t.datetime_start.timestamp() if t.datetime_start else None,
+                "ended": t.datetime_complete.timestamp() if t.datetime_complete else None,
             }
         )
     return out

@@ -19,6 +19,7 @@ import faulthandler
 import logging
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -122,13 +123,23 @@ def start(ctx: Any, argv: list[str], stdout: Path, stderr: Path, env: dict[str, 
     return ForkedTrial(process)
 
 
+def child_setup() -> None:
+    """In the trial process: its own process group (killed as one), and death when its parent (the engine, or
+    the forkserver that the engine owns) dies."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _trial_main(argv: list[str], stdout: str, stderr: str, env: dict[str, str]) -> None:
     """In the forked trial: what `python -m src.train` would be, in its own session, output to its files."""
     import runpy
 
-    from src.sweep import _child_setup
-
-    _child_setup()  # own session (killed as a group), dies with its parent
+    child_setup()  # own session (killed as a group), dies with its parent
     for fd, path in ((1, stdout), (2, stderr)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(target, fd)

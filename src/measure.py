@@ -399,7 +399,8 @@ class StepProfiler(TrainerCallback):
         total = sum(us for _, us, _ in rows) or 1.0
         families: dict[str, float] = {}
         for name, us, _ in rows:
-            families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + us
+            family = kernel_family(name)
+            families[family] = families.get(family, 0.0) + us
         what = "GPU kernel time" if cuda else "CPU op time (no GPU)"
         lines = [f"Step {self.step}: {total / 1e3:.1f} ms of {what}", "", "By family:"]
         lines += [

@@ -172,17 +172,6 @@ class Outcome:
     launcher: str = "interpreter"
 
 
-def _child_setup() -> None:
-    """In the trial process: its own process group (killed as one), and death when the engine dies."""
-    os.setsid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _tail(path: Path, limit: int = 20000) -> str:
     try:
         with path.open("rb") as f:
@@ -211,8 +200,8 @@ def run_process(
         if ctx is not None:  # forked from the warm interpreter: no imports to pay (src/launcher.py)
             proc: Any = launcher.start(ctx, argv, log_dir / "stdout.log", log_dir / "stderr.log", extra_env)
         else:
-            proc = subprocess.Popen(  # noqa: PLW1509 - the child's own session, see _child_setup
-                cmd, stdout=out, stderr=err, env={**os.environ, **extra_env}, preexec_fn=_child_setup
+            proc = subprocess.Popen(  # noqa: PLW1509 - the child's own session, see launcher.child_setup
+                cmd, stdout=out, stderr=err, env={**os.environ, **extra_env}, preexec_fn=launcher.child_setup
             )
         last_beat = 0.0
         while proc.poll() is None:

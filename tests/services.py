@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -412,19 +413,26 @@ def _slurm_logs(folder: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(folder.glob("*.log")))
 
 
+Service = TypeVar("Service", "Postgres", "Slurm")
+
+
 # ---- fixtures --------------------------------------------------------------------------------------------------
+
+
+def _running(service: Service) -> Iterator[Service]:
+    """A started service for a fixture's lifetime; then stopped and its folder removed."""
+    try:
+        yield service
+    finally:
+        service.stop()
+        shutil.rmtree(service.folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[Postgres]:
     if postgres_bin() is None:
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    pg = start_postgres()
-    try:
-        yield pg
-    finally:
-        pg.stop()
-        shutil.rmtree(pg.folder, ignore_errors=True)
+    yield from _running(start_postgres())
 
 
 @pytest.fixture(scope="session")
@@ -436,12 +444,7 @@ def cluster() -> Iterator[Slurm | None]:
         warnings.warn(f"no SLURM here ({why}): the cluster test uses submitit's local executor", stacklevel=1)
         yield None
         return
-    slurm = start_slurm()
-    try:
-        yield slurm
-    finally:
-        slurm.stop()
-        shutil.rmtree(slurm.folder, ignore_errors=True)
+    yield from _running(start_slurm())
 
 
 @pytest.fixture(scope="session")
