@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 
 from src.failures import NanLossError
@@ -273,12 +274,29 @@ def _max_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
+class _DispatchedOps(TorchDispatchMode):
+    """Names of the aten ops that reach the kernels while active (below autograd and autocast)."""
+
+    def __init__(self, wanted: set[str]) -> None:
+        super().__init__()
+        self.wanted = wanted
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func._schema.name
+        if name in self.wanted:
+            self.seen.add(name)
+        return func(*args, **(kwargs or {}))
+
+
 class AttentionProbe(TrainerCallback):
     """Records which scaled-dot-product-attention kernel the model's attention actually dispatched to.
 
     SDPA silently falls back to its quadratic-memory math path when, e.g., activations are fp32; only the
-    dispatched aten op says which path ran. The profiler wraps one forward of the first attention module at
-    step `at_step` (a warm-up step): profiling a whole 8B step costs seconds, one attention call nothing.
+    dispatched aten op says which path ran. A dispatch mode watches one forward of the first attention module
+    at step `at_step` (a warm-up step). It sees the fused kernel's op; the math path decomposes into plain ops,
+    and SDPA's own `_safe_softmax` among them names it. (No profiler: torch.profiler's teardown aborted a
+    data-parallel rank now and then.)
     """
 
     OPS = {
@@ -287,6 +305,7 @@ class AttentionProbe(TrainerCallback):
         "aten::_scaled_dot_product_cudnn_attention": "cudnn",
         "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
         "aten::_scaled_dot_product_attention_math": "math",
+        "aten::_safe_softmax": "math",
         "aten::_efficient_attention_forward": "efficient",
         "aten::_flash_attention_forward": "flash",
     }
@@ -295,7 +314,7 @@ class AttentionProbe(TrainerCallback):
         self.at_step = at_step
         self.kernels: set[str] = set()
         self._hooks: list[Any] = []
-        self._prof: Any = None
+        self._mode: _DispatchedOps | None = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if state.global_step + 1 != self.at_step or model is None:
@@ -308,16 +327,15 @@ class AttentionProbe(TrainerCallback):
             ]
 
     def _start(self, *_: Any) -> None:
-        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        self._prof.__enter__()
+        self._mode = _DispatchedOps(set(self.OPS))
+        self._mode.__enter__()
 
     def _stop(self, *_: Any) -> None:
-        if self._prof is None:
+        if self._mode is None:
             return
-        self._prof.__exit__(None, None, None)
-        names = {evt.name for evt in self._prof.events()}
-        self.kernels = {kind for op, kind in self.OPS.items() if op in names} or {"unknown"}
-        self._prof = None
+        self._mode.__exit__(None, None, None)
+        self.kernels = {self.OPS[op] for op in self._mode.seen} or {"unknown"}
+        self._mode = None
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

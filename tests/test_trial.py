@@ -178,3 +178,32 @@ def test_exit_taxonomy_and_oom_request() -> None:
     assert failures.classify_exit(1, "no idea") == "other"
     assert failures.oom_request_gib("Tried to allocate 112.00 MiB. GPU 0") == pytest.approx(112 / 1024)
     assert failures.oom_request_gib("Tried to allocate 2.00 GiB") == pytest.approx(2.0)
+
+
+def test_attention_probe_names_the_kernel_sdpa_dispatched_to() -> None:
+    """The fused kernel when SDPA picks one, `math` when it falls back to its decomposed path."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from src.measure import AttentionProbe
+
+    class ToyAttention(torch.nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    model, q = torch.nn.Sequential(ToyAttention()), torch.randn(1, 4, 16, 8)
+
+    def probed(backend: SDPBackend | None) -> str:
+        probe = AttentionProbe(at_step=1)
+        probe.on_step_begin(None, type("State", (), {"global_step": 0})(), None, model=model)
+        if backend is None:
+            model(q)
+        else:
+            with sdpa_kernel(backend):
+                model(q)
+        return probe.tag
+
+    assert probed(None) == "flash_cpu"
+    assert probed(SDPBackend.MATH) == "math"
+    assert not list(model[0]._forward_hooks), "the probe removes its hooks after one call"
