@@ -28,8 +28,7 @@ def main(cfg: DictConfig) -> dict:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.hardware.parallelism == "data_parallel":
         if "LOCAL_RANK" in os.environ:  # a rank started by torch.distributed.run
-            result = trial.run_rank(cfg, out_dir)
-            sys.exit(0 if result["status"] == "ok" else 1)
+            trial.run_rank(cfg, out_dir)  # exits with 0 (ok) or 1
         result = trial.run_data_parallel(cfg, out_dir, sys.argv[1:])
     else:
         result = trial.run(cfg, out_dir)

@@ -9,11 +9,13 @@ outright (segfault, SIGKILL, a hang) is recorded by the engine from outside.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
@@ -246,8 +248,8 @@ class _NoTracking:
         return lambda *args, **kwargs: None
 
 
-def run_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
-    """One rank of a data-parallel trial: train, then leave the outcome in rank<N>/result.json."""
+def run_rank(cfg: DictConfig, out_dir: Path) -> NoReturn:
+    """One rank of a data-parallel trial: train, leave the outcome in rank<N>/result.json, and exit (0: ok)."""
     rank = int(os.environ["RANK"])
     rank_dir = out_dir / f"rank{rank}"
     rank_dir.mkdir(parents=True, exist_ok=True)
@@ -265,17 +267,22 @@ def run_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
         "metrics": meas.summary() if meas else {},
         "failure": failure.as_dict() if failure else None,
+        "failed_at": time.time() if failure else None,
         "attention_kernel": state["attention"].tag if "attention" in state else None,
     }
     (rank_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
-    # A rank that trained to the end leaves the process group before the interpreter tears down: a gloo group
-    # destroyed at exit aborted a finished rank ("terminate called without an active exception") now and then.
-    # A failed rank leaves it as it is, so that the others fail on it the way they would in a real run.
-    import torch.distributed as dist
+    # Leave without tearing the interpreter down, while `state` still holds the trainer. Freeing DDP's reducer
+    # destroys the gloo group, whose destructor joins worker threads that may wait on a peer that has already
+    # left: seen in CI as a finished rank hanging at exit for good, and as an abort ("terminate called without an
+    # active exception"). The launcher reaps the rank; the driver frees its memory.
+    _leave(0 if failure is None else 1)
 
-    if failure is None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    return result
+
+def _leave(code: int) -> NoReturn:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 _PER_DEVICE = ("peak_vram_allocated_gib", "peak_vram_reserved_gib", "peak_vram_device_gib", "peak_rss_gib")
@@ -286,7 +293,6 @@ def run_data_parallel(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[s
     then record per-device peaks (the max is the trial's), throughput over all ranks, and the first failure
     with its rank. When one rank fails the launcher stops the others, so every card is free afterwards."""
     import subprocess
-    import sys
 
     import torch
 
@@ -326,10 +332,8 @@ def run_data_parallel(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[s
     state["attention_tag"] = rank0 and rank0.get("attention_kernel")
     failure = None
     if done.returncode != 0:
-        # The launcher names the first rank that failed; the others' errors are its consequences
-        # (a collective that lost its peer), not the cause.
         log_text = (out_dir / "ranks.log").read_text(errors="replace")
-        root, code = _root_cause(log_text)
+        root, code = _root_cause(log_text, ranks)
         first = next((r for r in ranks if r["rank"] == root and r["failure"]), None)
         if first is not None:
             failure = Failure(**first["failure"])
@@ -350,11 +354,25 @@ def _read_result(path: Path) -> dict[str, Any]:
         return {"status": "missing", "rank": rank, "local_rank": rank, "metrics": {}, "failure": None}
 
 
-def _root_cause(log_text: str) -> tuple[int | None, int]:
-    """The failed rank and its exit code from torch.distributed.run's "Root Cause" report."""
+def _root_cause(log_text: str, ranks: list[dict[str, Any]]) -> tuple[int | None, int]:
+    """The rank whose failure caused the others', and its exit code. torch.distributed.run lists the ranks it saw
+    fail, and names as root cause the first it observed; but a rank whose peer died fails too, and may exit first.
+    So: a rank that died without a word (a signal, a segfault), not stopped by the launcher's own SIGTERM, is the
+    cause; else the rank that recorded the earliest failure; else the launcher's choice."""
     import re
 
-    section = log_text.split("Root Cause", 1)[-1]
-    rank = re.search(r"rank\s*:\s*(\d+)", section)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)", section)
-    return (int(rank.group(1)) if rank else None), (int(code.group(1)) if code else 1)
+    report = log_text[log_text.rfind("Failures:") :]  # the launcher's summary, the last thing it printed
+    entry = r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)"
+    failed = {int(m.group(1)): int(m.group(2)) for m in re.finditer(entry, report, re.S | re.M)}
+    named = re.search(r"^\s*rank\s*:\s*(\d+)", report.split("Root Cause", 1)[-1], re.M)
+    launcher_root = int(named.group(1)) if named else None
+    by_rank = {r["rank"]: r for r in ranks}
+    silent = [k for k, code in failed.items() if code != -15 and not by_rank.get(k, {}).get("failure")]
+    recorded = sorted((r["failed_at"] or 0.0, r["rank"]) for r in ranks if r.get("failure"))
+    if silent:
+        root = launcher_root if launcher_root in silent else min(silent)
+    elif recorded:
+        root = recorded[0][1]
+    else:
+        root = launcher_root
+    return root, failed.get(root, 1) if root is not None else 1

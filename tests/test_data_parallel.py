@@ -53,3 +53,49 @@ def test_fault_on_rank_1_fails_the_trial_with_its_rank(fault: str, kind: str, ro
     assert run.info.status == "FAILED"
     assert run.data.tags["failure.kind"] == kind and run.data.tags["failure.rank"] == "1"
     assert not _leftovers(root), "every rank of the trial has exited"
+
+
+_LAUNCHER_REPORT = """\
+E1202 20:26:23.455000 12661 api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 12666) of binary: python
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+src.train FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-02_20:26:23
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code1} (pid: 12667)
+  error_file: <N/A>
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_20:26:23
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 12666)
+  error_file: <N/A>
+=======================================================
+"""
+
+
+def _rank(rank: int, kind: str | None = None, at: float | None = None) -> dict:
+    return {"rank": rank, "failure": {"kind": kind} if kind else None, "failed_at": at}
+
+
+@pytest.mark.parametrize(
+    "code1,ranks,expected",
+    [
+        # rank 1 was SIGKILLed; rank 0 lost its peer, recorded that, and exited first: the launcher blames rank 0
+        ("-9", [_rank(0, "other", 5.0), _rank(1)], (1, -9)),
+        # rank 1 ran out of memory first; rank 0 failed on the lost peer later
+        ("1", [_rank(0, "other", 5.0), _rank(1, "oom", 4.0)], (1, 1)),
+        # rank 0 failed first; rank 1, stopped by the launcher's SIGTERM, is not a cause
+        ("-15", [_rank(0, "oom", 4.0), _rank(1)], (0, 1)),
+    ],
+)
+def test_root_cause_is_the_rank_that_failed_first_not_the_first_to_exit(code1, ranks, expected) -> None:
+    from src.trial import _root_cause
+
+    assert _root_cause(_LAUNCHER_REPORT.format(code1=code1), ranks) == expected
