@@ -9,7 +9,12 @@ On a GPU machine, in one run:
    on the card, each capped at the budget; settings certain to OOM are recorded as skipped, not launched;
 4. the seed's setting and the map's fastest stable settings re-measured alone (the card to themselves, longer
    probes): the map's own throughput is from a shared card and only ranks settings;
-5. `benchmarks/results/map_<model>_<budget>gib.json`.
+5. the fastest of those with each speed variant (`VARIANTS`: bf16 instead of peft's fp32 copies, SDPA without
+   cuDNN, Liger's kernels, no LoRA dropout), then with the variants that each gained, together;
+6. `benchmarks/results/map_<model>_<budget>gib.json`.
+
+Solo trials are forked from a warm interpreter (`src/launcher.py`, as the map's are with `preload`) unless
+`--no-solo-preload`.
 
 "Best stable" only considers settings that train what the seed trains: the same rank and max_seq_length at
 least the seed's (a shorter max_seq_length would be faster by truncating the data).
@@ -29,6 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks import summarize
+from src import launcher
 from src.tracking import system_tags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +46,14 @@ SEED = {
     "trainer.packing": False,
 }
 SOLO_OVERRIDES = ["trainer.max_steps=6", "trainer.warmup_steps=0", "measure.warmup_steps=2"]
+# Speed variants tried on the fastest stable setting: (its knobs, whether it trains the same recipe). A variant
+# that changes the recipe (dropout is regularisation) is measured and reported, but never made the best stable.
+VARIANTS: dict[str, tuple[dict, bool]] = {
+    "bf16_rest": ({"model.upcast_non_quantized": False}, True),  # embeddings, norms, lm_head stay bf16
+    "no_cudnn_attention": ({"model.sdpa_backends": ["flash", "efficient"]}, True),
+    "liger": ({"trainer.use_liger_kernel": True}, True),
+    "no_lora_dropout": ({"lora.lora_dropout": 0.0}, False),
+}
 MFU_COUNTING = (
     "MFU = useful model FLOP/s / the card's bf16 dense matmul rate measured in this run (8192^3 products). "
     "Useful FLOPs per row of L real tokens: 4 x P x L (P = in x out summed over every Linear the forward runs: "
@@ -82,7 +96,14 @@ def params_of(attrs_params: dict) -> dict:
 
 
 def overrides(setting: dict) -> list[str]:
-    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in setting.items()]
+    def value(v: object) -> str:
+        if isinstance(v, bool):
+            return str(v).lower()
+        if isinstance(v, list):
+            return "[" + ",".join(map(str, v)) + "]"
+        return str(v)
+
+    return [f"{k}={value(v)}" for k, v in setting.items()]
 
 
 def map_trials(storage: str, study: str) -> list[dict]:
@@ -95,12 +116,12 @@ def solo(setting: dict, args: argparse.Namespace, out: Path, name: str, extra: l
     run_dir = out / "solo" / name
     out.mkdir(parents=True, exist_ok=True)
     (run_dir / "result.json").unlink(missing_ok=True)  # a stale one must not pass for this run's
-    cmd = [
-        sys.executable, "-m", "src.train", f"model={args.model}", "data=clinical_notes",
+    argv = [
+        f"model={args.model}", "data=clinical_notes",
         f"hardware.vram_budget_gib={args.budget_gib}", "preflight.max_truncated_answer_frac=1.0",
         *SOLO_OVERRIDES, *overrides(setting), *(extra or []), f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
-    rc, seconds = sh(cmd, out / f"solo_{name}.log", timeout=args.solo_timeout_s)
+    rc, seconds = run_trial(argv, out / f"solo_{name}.log", args.solo_timeout_s, args.forkserver)
     result_file = run_dir / "result.json"
     result = json.loads(result_file.read_text()) if result_file.exists() else {"status": "failed", "metrics": {}}
     m = result.get("metrics", {})
@@ -117,6 +138,23 @@ def solo(setting: dict, args: argparse.Namespace, out: Path, name: str, extra: l
     }
 
 
+def run_trial(argv: list[str], log: Path, timeout: float, ctx: object) -> tuple[int, float]:
+    """`python -m src.train argv`, forked from the warm interpreter `ctx` (None: a fresh one); (exit code, s)."""
+    if ctx is None:
+        return sh([sys.executable, "-m", "src.train", *argv], log, timeout=timeout)
+    start = time.time()
+    log.unlink(missing_ok=True)
+    proc = launcher.start(ctx, argv, log, log, {})
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the trial leads its own session: this ends all of it
+        proc.wait(60)
+        rc = 124
+    return rc, time.time() - start
+
+
 def with_mfu(entry: dict, peak_tflops: float | None) -> dict:
     if peak_tflops and entry.get("model_tflops_per_s"):
         entry["mfu"] = entry["model_tflops_per_s"] / peak_tflops
@@ -127,6 +165,30 @@ def trains_what_the_seed_trains(setting: dict) -> bool:
     return setting["data.max_seq_length"] >= SEED["data.max_seq_length"]
 
 
+def measure_variants(fastest: dict, args: argparse.Namespace, out: Path, peak: float | None, in_time) -> list:
+    """The fastest setting alone with each speed variant, then with those that each gained, together."""
+    base = fastest["tokens_per_s"]
+    entries = []
+    for name in args.variants:
+        knobs, same_recipe = VARIANTS[name]
+        if not in_time():
+            break
+        entry = with_mfu(solo({**fastest["setting"], **knobs}, args, out, f"variant_{name}"), peak)
+        entry.update(variant=name, same_recipe=same_recipe, gain=(entry.get("tokens_per_s") or 0) / base)
+        entries.append(entry)
+        print(f"variant {name}: {entry.get('tokens_per_s')} tokens/s ({entry['gain']:.2f}x)", flush=True)
+    # Within noise (2%) is no gain; a recipe change joins only the recipe-changing combination.
+    gained = [e for e in entries if e["status"] == "ok" and e["gain"] > 1.02 and e["same_recipe"]]
+    if len(gained) >= 2 and in_time():
+        knobs = {k: v for e in gained for k, v in VARIANTS[e["variant"]][0].items()}
+        name = "+".join(e["variant"] for e in gained)
+        entry = with_mfu(solo({**fastest["setting"], **knobs}, args, out, "variant_combined"), peak)
+        entry.update(variant=name, same_recipe=True, gain=(entry.get("tokens_per_s") or 0) / base)
+        entries.append(entry)
+        print(f"variants {name} together: {entry.get('tokens_per_s')} tokens/s ({entry['gain']:.2f}x)", flush=True)
+    return entries
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3_8b_synthetic")
@@ -135,7 +197,15 @@ def main() -> int:
     p.add_argument("--map-timeout-s", type=float, default=420)
     p.add_argument("--solo-timeout-s", type=float, default=120)
     p.add_argument("--candidates", type=int, default=2, help="fastest stable settings re-measured alone")
-    p.add_argument("--liger", action="store_true", help="also re-measure the fastest with Liger's kernels")
+    p.add_argument(
+        "--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), help="speed variants of the fastest"
+    )
+    p.add_argument(
+        "--solo-preload",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fork solo trials from a warm interpreter (src/launcher.py); --no-solo-preload starts each as a fresh one",
+    )
     p.add_argument("--profile", action="store_true", help="also profile one step of the best stable (kernels)")
     p.add_argument("--deadline-s", type=float, default=None, help="no solo trial starts past this (from start)")
     p.add_argument("--extra", nargs="*", default=[], help="more overrides for every map trial")
@@ -154,6 +224,12 @@ def main() -> int:
     logs = root / "benchmark_logs"
     logs.mkdir(parents=True, exist_ok=True)
     result: dict = {"model": args.model, "vram_budget_gib": args.budget_gib}
+
+    def save() -> None:
+        """Written after every phase, so a run cut short by the device's time limit still leaves its figures."""
+        result["total_wall_s"] = time.time() - t0
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        out_file.write_text(json.dumps(result, indent=2, default=str))
 
     rc, _ = sh([sys.executable, "-m", "benchmarks.matmul_rate"], logs / "matmul.log")
     lines = (logs / "matmul.log").read_text().strip().splitlines()
@@ -203,6 +279,7 @@ def main() -> int:
     )
     result["counts"] = counts = summarize.counts(rows)
     print(f"map: {len(rows)} settings in {map_s:.0f}s ({counts}), fixed cost {result['per_trial_fixed_s']}", flush=True)
+    save()
 
     stable = [
         r
@@ -214,8 +291,11 @@ def main() -> int:
     ]
     stable.sort(key=lambda r: -r["tokens_per_s"])
     candidates = [r["setting"] for r in stable[: args.candidates]]
+    args.forkserver = launcher.forkserver(list(launcher.DEFAULT_PRELOAD)) if args.solo_preload else None
+    result["solo_launcher"] = "forkserver" if args.forkserver else "interpreter"
     result["seed_config"] = with_mfu(solo(SEED, args, root / "benchmark", "seed"), peak)
     print(f"seed alone: {result['seed_config'].get('tokens_per_s')} tokens/s", flush=True)
+    save()
     alone = []
     for i, setting in enumerate(candidates):
         if not in_time():
@@ -224,33 +304,45 @@ def main() -> int:
         entry = with_mfu(solo(setting, args, root / "benchmark", f"candidate{i}"), peak)
         alone.append(entry)
         print(f"candidate {setting} alone: {entry.get('tokens_per_s')} tokens/s", flush=True)
+        result["candidates_alone"] = alone
+        save()
     ok = [e for e in alone if e["status"] == "ok" and e.get("tokens_per_s")]
     fastest = max(ok, key=lambda e: e["tokens_per_s"], default=None)
-    if args.liger and fastest and in_time():
-        setting = {**fastest["setting"], "trainer.use_liger_kernel": True}
-        result["liger_alone"] = with_mfu(solo(setting, args, root / "benchmark", "fastest_liger"), peak)
-        print(f"with Liger kernels {setting} alone: {result['liger_alone'].get('tokens_per_s')} tokens/s", flush=True)
+    variants = measure_variants(fastest, args, root / "benchmark", peak, in_time) if fastest else []
+    result["variants_alone"] = variants
     result["candidates_alone"] = alone
-    if args.profile and fastest and in_time():
-        # A run of its own: the profiled step is slower, so its figures stay out of the measured ones.
-        profiled = solo(fastest["setting"], args, root / "benchmark", "fastest_profile", ["measure.profile_step=4"])
-        profile = root / "benchmark" / "solo" / "fastest_profile" / "profile.txt"
-        result["best_stable_profile"] = profile.read_text() if profile.exists() else profiled.get("failure")
-        print(result["best_stable_profile"], flush=True)
-    result["best_stable"] = max(ok, key=lambda e: e["tokens_per_s"]) if ok else None
+    save()
+    fits = [
+        e
+        for e in [*ok, *variants]
+        if e["status"] == "ok"
+        and e.get("tokens_per_s")
+        and e.get("same_recipe", True)
+        and e.get("peak_vram_reserved_gib", 0) <= args.budget_gib * 0.9
+    ]
+    result["best_stable"] = max(fits, key=lambda e: e["tokens_per_s"]) if fits else None
+    if args.profile:
+        # Runs of their own: a profiled step is slower, so its figures stay out of the measured ones.
+        for key in ("seed_config", "best_stable"):
+            if result[key] and in_time():
+                name = f"{key}_profile"
+                done = solo(result[key]["setting"], args, root / "benchmark", name, ["measure.profile_step=4"])
+                profile = root / "benchmark" / "solo" / name / "profile.txt"
+                result[name] = profile.read_text() if profile.exists() else done.get("failure")
+                print(result[name], flush=True)
+                save()
     if result["best_stable"] and result["seed_config"].get("tokens_per_s"):
         result["speedup_vs_seed"] = result["best_stable"]["tokens_per_s"] / result["seed_config"]["tokens_per_s"]
-    result["solo_fixed_s"] = [e.get("startup_s") for e in [result["seed_config"], *alone]]
-    result["total_wall_s"] = time.time() - t0
+    result["solo_fixed_s"] = [e.get("startup_s") for e in [result["seed_config"], *alone, *variants]]
     # Last: it imports torch and opens a CUDA context, which must not sit on the card during the map.
     result["machine"] = system_tags()
     result["mfu_counting"] = MFU_COUNTING
     result["best_stable_rule"] = (
         "fastest re-measured-alone setting among the map's stable ones (peak reserved <= 90% of the budget, "
-        "no OOM) with max_seq_length >= the seed's, rank and accumulation as the seed's (fixed in the map)"
+        "no OOM) with max_seq_length >= the seed's, rank and accumulation as the seed's (fixed in the map), "
+        "or one of its speed variants that trains the same recipe (same_recipe) and stayed within the budget"
     )
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(json.dumps(result, indent=2, default=str))
+    save()
     print(f"wrote {out_file}", flush=True)
     for key in ("seed_config", "best_stable"):
         e = result.get(key) or {}

@@ -40,6 +40,12 @@ class ModelConfig:
     path: str = MISSING
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
+    # With sdpa: the kernels torch may pick, in order of preference (flash, efficient, cudnn, math); null: torch's own
+    # choice. The attention.kernel tag says which one ran.
+    sdpa_backends: list[str] | None = None
+    # peft's prepare_model_for_kbit_training casts every weight that is not 4-bit (embeddings, norms, lm_head) to
+    # fp32. false keeps them in model.dtype, as axolotl's skip_prepare_model_for_kbit_training does.
+    upcast_non_quantized: bool = True
     # null: chosen by hardware.parallelism (one card, or "auto" across the trial's cards for model_parallel)
     device_map: Any = None
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
@@ -180,6 +186,9 @@ KNOBS = (
     "trainer.padding_free",
     "trainer.packing",
     "trainer.use_liger_kernel",
+    "lora.lora_dropout",
+    "model.upcast_non_quantized",
+    "model.sdpa_backends",
 )
 
 # trl.SFTConfig fields that take the trainer group's values unchanged.

@@ -367,13 +367,17 @@ def kernel_family(name: str) -> str:
 class StepProfiler(TrainerCallback):
     """torch.profiler over one step: where that step's time went, by kernel family and by kernel.
 
-    On a GPU the table is GPU kernel time (self device time per kernel); without one, CPU op time. Written to
-    `path` (and logged by the trial as an artifact)."""
+    On a GPU the table is GPU kernel time (self device time per kernel); without one, CPU op time. The first
+    line sets that total against the step's wall time: a GPU busy well under 100% of the step is waiting on the
+    host (Python, kernel launches, synchronisation), which no faster kernel fixes. The host side follows: the
+    ops with the most CPU time of their own. Written to `path` (and logged by the trial as an artifact)."""
 
     def __init__(self, step: int, path: Path) -> None:
         self.step = step
         self.path = path
         self._prof: Any = None
+        self._t0 = 0.0
+        self.wall_s = 0.0
         self.text: str | None = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -385,12 +389,14 @@ class StepProfiler(TrainerCallback):
             torch.cuda.synchronize()
         self._prof = torch.profiler.profile(activities=activities)
         self._prof.__enter__()
+        self._t0 = time.perf_counter()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._prof is None:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        self.wall_s = time.perf_counter() - self._t0
         self._prof.__exit__(None, None, None)
         self.text = self.summarize(self._prof.key_averages())
         self._prof = None
@@ -420,7 +426,11 @@ class StepProfiler(TrainerCallback):
             family = kernel_family(name)
             families[family] = families.get(family, 0.0) + us
         what = "GPU kernel time" if cuda else "CPU op time (no GPU)"
-        lines = [f"Step {self.step}: {total / 1e3:.1f} ms of {what}", "", "By family:"]
+        wall_ms = 1e3 * self.wall_s
+        head = f"Step {self.step}: {total / 1e3:.1f} ms of {what}"
+        if cuda and wall_ms > 0:
+            head += f" in {wall_ms:.1f} ms of wall time: the GPU ran kernels {100 * total / 1e3 / wall_ms:.0f}% of it"
+        lines = [head, "", "By family:"]
         lines += [
             f"  {f:38} {us / 1e3:10.1f} ms {100 * us / total:5.1f}%"
             for f, us in sorted(families.items(), key=lambda kv: -kv[1])
@@ -428,4 +438,14 @@ class StepProfiler(TrainerCallback):
         lines += ["", "Heaviest kernels:", f"  {'ms':>9} {'%':>5} {'calls':>6}  name"]
         for name, us, count in sorted(rows, key=lambda r: -r[1])[:30]:
             lines.append(f"  {us / 1e3:9.1f} {100 * us / total:5.1f} {count:6d}  {name[:120]}")
+        if cuda:  # the host side: where the CPU time went while it fed the GPU
+            host = sorted(
+                ((evt.key, float(evt.self_cpu_time_total), int(evt.count)) for evt in events),
+                key=lambda r: -r[1],
+            )
+            cpu_total = sum(us for _, us, _ in host) or 1.0
+            lines += ["", f"Host: {cpu_total / 1e3:.1f} ms of CPU time in ops; the heaviest:"]
+            lines += [f"  {'ms':>9} {'%':>5} {'calls':>6}  op"]
+            for name, us, count in host[:15]:
+                lines.append(f"  {us / 1e3:9.1f} {100 * us / cpu_total:5.1f} {count:6d}  {name[:120]}")
         return "\n".join(lines) + "\n"

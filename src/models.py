@@ -5,6 +5,7 @@ same 4-bit `from_pretrained` path a real checkpoint takes, and never moved with 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -169,6 +170,35 @@ def load(cfg: Any) -> tuple[Any, Any]:
                     tmp.rename(quantized)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     return model, tokenizer
+
+
+def prepare_for_kbit_training(model: Any, cfg: Any) -> Any:
+    """peft's k-bit preparation (freeze the base, checkpointing without re-entrant autograd); with
+    model.upcast_non_quantized=false, the same without its fp32 copy of embeddings, norms and lm_head."""
+    from peft import prepare_model_for_kbit_training
+
+    kwargs = {"use_reentrant": False}
+    if cfg.model.upcast_non_quantized:
+        return prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=cfg.trainer.gradient_checkpointing, gradient_checkpointing_kwargs=kwargs
+        )
+    model.requires_grad_(False)
+    if cfg.trainer.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+def attention_kernels(cfg: Any) -> contextlib.AbstractContextManager:
+    """The SDPA kernels model.sdpa_backends allows, in its order (torch.nn.attention.sdpa_kernel); the flags it
+    sets are process-wide, so the backward pass, run on autograd's own threads, keeps to them too."""
+    if cfg.model.sdpa_backends is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from src.preflight import SDPA_BACKENDS
+
+    backends = [getattr(SDPBackend, SDPA_BACKENDS[name]) for name in cfg.model.sdpa_backends]
+    return sdpa_kernel(backends, set_priority=True)
 
 
 def context_length(cfg: Any) -> int | None:

@@ -198,8 +198,35 @@ def check_config(cfg: DictConfig, report: Report) -> None:
                 "trainer.use_liger_kernel=true, but the liger-kernel package is not installed: "
                 "pip install 'liger-kernel>=0.8' (needs a CUDA GPU with Triton), or set trainer.use_liger_kernel=false",
             )
+    backends = cfg.model.sdpa_backends
+    if backends is not None:
+        unknown = [b for b in backends if b not in SDPA_BACKENDS]
+        if unknown or not backends:
+            report.add(
+                "sdpa_backends",
+                "error",
+                f"model.sdpa_backends={list(backends)}: "
+                + (f"unknown {', '.join(map(str, unknown))}; " if unknown else "empty; ")
+                + f"list some of {', '.join(SDPA_BACKENDS)} in order of preference, or set model.sdpa_backends=null",
+            )
+        elif cfg.model.attn_implementation != "sdpa":
+            report.add(
+                "sdpa_backends",
+                "error",
+                f"model.sdpa_backends is set but model.attn_implementation={cfg.model.attn_implementation} does not "
+                "use SDPA; set model.attn_implementation=sdpa or model.sdpa_backends=null",
+            )
     if cfg.fault.kind not in FAULT_KINDS:
         report.add("fault", "error", f"fault.kind={cfg.fault.kind} is not one of {', '.join(FAULT_KINDS)}")
+
+
+# model.sdpa_backends' words for torch.nn.attention.SDPBackend members
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
 
 
 def _check_parallelism(cfg: DictConfig, report: Report) -> None:

@@ -46,6 +46,9 @@ _LABELS = {
     "trainer.padding_free": "pad_free",
     "trainer.packing": "packing",
     "trainer.use_liger_kernel": "liger",
+    "lora.lora_dropout": "dropout",
+    "model.upcast_non_quantized": "fp32_rest",
+    "model.sdpa_backends": "sdpa",
     "fault.kind": "fault",
 }
 

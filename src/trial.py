@@ -61,7 +61,6 @@ def _dataset(cfg: DictConfig, tokenizer: Any, world_size: int) -> tuple[Any, dic
 def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     import torch
     from hydra.utils import instantiate
-    from peft import prepare_model_for_kbit_training
     from trl import SFTConfig, SFTTrainer
 
     from src import models, preflight
@@ -92,11 +91,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     model, tokenizer = models.load(cfg)
     _mark(state, "model_load")
     model = preflight.guard_device_moves(model)  # a 4-bit / dispatched model must never be moved with .to()
-    model = prepare_model_for_kbit_training(
-        model,
-        use_gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
+    model = models.prepare_for_kbit_training(model, cfg)
     _mark(state, "kbit_prepare")
     dataset, stats = _dataset(cfg, tokenizer, world_size=world_size)
     tracking.log_metrics(client, run_id, stats)
@@ -118,7 +113,8 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
         trainer.add_callback(callback)
     state["trainer"] = trainer
     _mark(state, "trainer_init")
-    trainer.train()
+    with models.attention_kernels(cfg):
+        trainer.train()
     if state.get("profiler") is not None and state["profiler"].text:
         tracking.log_text(client, run_id, state["profiler"].text, "profile.txt")
     if cfg.trainer.save_adapter:

@@ -174,6 +174,21 @@ def test_padding_free_without_packing_is_refused_and_packing_accepted(root: Path
     assert not [f for f in report.findings if f.check == "padding_free"]
 
 
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["model.sdpa_backends=[flash,fast]"], "unknown fast"),
+        (["model.sdpa_backends=[]"], "empty"),
+        (["model.sdpa_backends=[flash]", "model.attn_implementation=eager"], "does not use SDPA"),
+    ],
+)
+def test_bad_sdpa_backends_are_refused_by_name(overrides: list[str], expected: str, root: Path) -> None:
+    message = _refusal(overrides)
+    assert "model.sdpa_backends" in message and expected in message
+    report = preflight.run(compose_cfg(["model.sdpa_backends=[cudnn,flash]"]), data=False)
+    assert not [f for f in report.findings if f.check == "sdpa_backends"]
+
+
 def test_liger_kernel_without_the_package_is_refused(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 

@@ -121,10 +121,14 @@ def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) 
     deadline = time.time() + 240
     while time.time() < deadline:
         time.sleep(1)
-        if db.exists():
+        if not db.exists():
+            continue
+        try:
             states = Counter(t.state for t in _study(root, "resume").get_trials())
-            if states[TrialState.COMPLETE] >= 1 and states[TrialState.RUNNING] >= 1:
-                break
+        except KeyError:  # the database file is there before the study's row is
+            continue
+        if states[TrialState.COMPLETE] >= 1 and states[TrialState.RUNNING] >= 1:
+            break
     else:
         sweep.kill()
         pytest.fail("the sweep never had a finished and a running trial at once")

@@ -109,6 +109,28 @@ def test_trial_records_every_contract_metric_and_tag(root: Path, mlflow_client) 
     assert text.startswith("Step 4:") and "By family:" in text and "matmul" in text
 
 
+@pytest.mark.parametrize("upcast,dtype", [(True, torch.float32), (False, torch.bfloat16)])
+def test_upcast_non_quantized_decides_the_dtype_of_embeddings_norms_and_lm_head(upcast, dtype, root: Path) -> None:
+    from src import models
+
+    cfg = compose_cfg([f"model.upcast_non_quantized={upcast}"])
+    model, _ = models.load(cfg)
+    model = models.prepare_for_kbit_training(model, cfg)
+    for weight in (model.lm_head.weight, model.model.embed_tokens.weight, model.model.norm.weight):
+        assert weight.dtype == dtype
+    assert not any(p.requires_grad for p in model.parameters()), "the base is frozen either way"
+    assert model.is_gradient_checkpointing
+
+
+def test_sdpa_backends_decide_the_attention_kernel_that_runs(root: Path, mlflow_client) -> None:
+    # On a CPU torch picks its flash kernel (flash_cpu); allowing only the math path must show in the tag.
+    done = run_cli("src.train", "trainer=probe", "trainer.max_steps=3", "model.sdpa_backends=[math]", root=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = _only_run(mlflow_client)
+    assert run.data.tags["attention.kernel"] == "math"
+    assert run.data.params["model.sdpa_backends"] == '["math"]'
+
+
 def test_missing_data_file_is_a_clear_data_error(root: Path, mlflow_client) -> None:
     done = run_cli("src.train", "data.path=/nowhere/seed.xlsx", root=root, timeout=120)
     assert done.returncode == 1
