@@ -98,6 +98,7 @@ class TrainerConfig:
     padding_free: bool = False
     packing: bool = False
     use_liger_kernel: bool = False
+    torch_compile: bool = False  # torch.compile the model (transformers' Trainer does it)
     assistant_only_loss: bool = False
     torch_empty_cache_steps: int | None = None
     logging_steps: int = 1
@@ -186,6 +187,7 @@ KNOBS = (
     "trainer.padding_free",
     "trainer.packing",
     "trainer.use_liger_kernel",
+    "trainer.torch_compile",
     "lora.lora_dropout",
     "model.upcast_non_quantized",
     "model.sdpa_backends",
@@ -208,6 +210,7 @@ _SFT_FIELDS = (
     "padding_free",
     "packing",
     "use_liger_kernel",
+    "torch_compile",
     "assistant_only_loss",
     "torch_empty_cache_steps",
     "logging_steps",

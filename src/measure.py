@@ -308,6 +308,7 @@ class AttentionProbe(TrainerCallback):
         "aten::_safe_softmax": "math",
         "aten::_efficient_attention_forward": "efficient",
         "aten::_flash_attention_forward": "flash",
+        "torch_attn::_varlen_attn": "flash_varlen",  # model.attn_implementation=varlen (src/attention.py)
     }
 
     def __init__(self, at_step: int) -> None:

@@ -148,6 +148,10 @@ def load(cfg: Any) -> tuple[Any, Any]:
         pad = "<|finetune_right_pad_id|>"
         tokenizer.pad_token = pad if pad in tokenizer.get_vocab() else tokenizer.eos_token
 
+    if mcfg.attn_implementation == "varlen":
+        from src import attention
+
+        attention.register()
     kwargs: dict[str, Any] = {
         "dtype": getattr(torch, mcfg.dtype),
         "attn_implementation": mcfg.attn_implementation,

@@ -216,6 +216,16 @@ def check_config(cfg: DictConfig, report: Report) -> None:
                 f"model.sdpa_backends is set but model.attn_implementation={cfg.model.attn_implementation} does not "
                 "use SDPA; set model.attn_implementation=sdpa or model.sdpa_backends=null",
             )
+    if cfg.model.attn_implementation == "varlen":
+        from src import attention
+
+        why = attention.available()
+        if why:
+            report.add(
+                "attn_implementation",
+                "error",
+                f"model.attn_implementation=varlen: {why}; use model.attn_implementation=sdpa on this machine",
+            )
     if cfg.fault.kind not in FAULT_KINDS:
         report.add("fault", "error", f"fault.kind={cfg.fault.kind} is not one of {', '.join(FAULT_KINDS)}")
 

@@ -46,6 +46,7 @@ _LABELS = {
     "trainer.padding_free": "pad_free",
     "trainer.packing": "packing",
     "trainer.use_liger_kernel": "liger",
+    "trainer.torch_compile": "compile",
     "lora.lora_dropout": "dropout",
     "model.upcast_non_quantized": "fp32_rest",
     "model.sdpa_backends": "sdpa",

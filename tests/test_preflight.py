@@ -189,6 +189,16 @@ def test_bad_sdpa_backends_are_refused_by_name(overrides: list[str], expected: s
     assert not [f for f in report.findings if f.check == "sdpa_backends"]
 
 
+def test_varlen_attention_is_refused_where_it_cannot_run(root: Path) -> None:
+    from src import attention
+
+    if attention.available() is None:
+        pytest.skip("this machine can run torch's varlen flash kernel")
+    message = _refusal(["model.attn_implementation=varlen"])
+    assert "model.attn_implementation=varlen" in message and "CUDA" in message
+    assert "model.attn_implementation=sdpa" in message
+
+
 def test_liger_kernel_without_the_package_is_refused(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
