@@ -89,9 +89,8 @@ def main() -> int:
     print(f"bf16 matmul {peak} TFLOP/s; model built in {result['build_s']:.0f}s (rc {rc})", flush=True)
     save()
     args.forkserver = launcher.forkserver(list(launcher.DEFAULT_PRELOAD))
-    for name, setting, extra in SETTINGS:
-        if args.only is not None and name not in args.only:
-            continue
+    named = {name: (name, setting, extra) for name, setting, extra in SETTINGS}
+    for name, setting, extra in [named[n] for n in args.only] if args.only is not None else SETTINGS:  # in order
         compiled = bool(setting.get("trainer.torch_compile"))
         budget_s = args.compile_timeout_s if compiled else args.solo_timeout_s
         if args.deadline_s is not None and time.time() - t0 + budget_s > args.deadline_s:
