@@ -78,3 +78,22 @@ def test_padded_batch_is_unpadded_by_its_mask(models) -> None:
     got = varlen(ids, attention_mask=mask).logits
     keep = mask.bool()
     torch.testing.assert_close(got[keep], want[keep], atol=3e-2, rtol=3e-2)
+
+
+def test_a_packed_trial_hands_trl_sequence_boundaries_to_the_kernel(root, mlflow_client) -> None:
+    """The whole path (trl's padding-free collator -> Trainer -> peft -> Llama -> our attention, recompute
+    included) with the reference kernel: every call sees several sequences, and the trial trains."""
+    import re
+
+    from tests.conftest import run_cli
+
+    done = run_cli(
+        "tests.varlen_trial", "trainer=probe", "trainer.max_steps=3", "model.attn_implementation=varlen",
+        "trainer.packing=true", "trainer.group_by_length=false", "trainer.per_device_train_batch_size=4",
+        root=root,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    calls = [tuple(map(int, m)) for m in re.findall(r"varlen: (\d+) tokens in (\d+) sequences", done.stdout)]
+    assert calls and all(n > 1 for _, n in calls), calls[:5]
+    (run,) = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("qlora-trials").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["model.attn_implementation"] == "varlen"
