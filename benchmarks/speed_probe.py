@@ -75,7 +75,12 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"model": args.model, "vram_budget_gib": args.budget_gib, "trials": []}
+    result: dict = {
+        "command": "python -m benchmarks.speed_probe " + " ".join(sys.argv[1:]),
+        "model": args.model,
+        "vram_budget_gib": args.budget_gib,
+        "trials": [],
+    }
 
     def save() -> None:
         result["total_wall_s"] = time.time() - t0
