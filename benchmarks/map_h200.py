@@ -111,15 +111,24 @@ def map_trials(storage: str, study: str) -> list[dict]:
     return [{**row, "setting": params_of(row["params"])} for row in summarize.trials(storage, study)]
 
 
-def solo(setting: dict, args: argparse.Namespace, out: Path, name: str, extra: list[str] | None = None) -> dict:
-    """One trial alone on the card (the engine is idle): its result.json."""
+def solo(
+    setting: dict,
+    args: argparse.Namespace,
+    out: Path,
+    name: str,
+    extra: list[str] | None = None,
+    map_recipe: bool = True,
+) -> dict:
+    """One trial alone on the card (the engine is idle): its result.json. `map_recipe`: with the overrides the
+    map's trials had (`--extra`), under the setting's own knobs; the seed is measured without them."""
+    recipe = list(args.extra) if map_recipe else []
     run_dir = out / "solo" / name
     out.mkdir(parents=True, exist_ok=True)
     (run_dir / "result.json").unlink(missing_ok=True)  # a stale one must not pass for this run's
     argv = [
         f"model={args.model}", "data=clinical_notes",
         f"hardware.vram_budget_gib={args.budget_gib}", "preflight.max_truncated_answer_frac=1.0",
-        *SOLO_OVERRIDES, *overrides(setting), *(extra or []), f"hydra.run.dir={run_dir}",
+        *SOLO_OVERRIDES, *recipe, *overrides(setting), *(extra or []), f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     rc, seconds = run_trial(argv, out / f"solo_{name}.log", args.solo_timeout_s, args.forkserver)
     result_file = run_dir / "result.json"
@@ -135,6 +144,7 @@ def solo(setting: dict, args: argparse.Namespace, out: Path, name: str, extra: l
         **{k: v for k, v in m.items() if not k.startswith("startup.")},
         "startup_phases_s": {k[len("startup.") : -2]: v for k, v in m.items() if k.startswith("startup.")},
         "probe": SOLO_OVERRIDES,
+        "recipe": recipe,
     }
 
 
@@ -208,7 +218,12 @@ def main() -> int:
     )
     p.add_argument("--profile", action="store_true", help="also profile one step of the best stable (kernels)")
     p.add_argument("--deadline-s", type=float, default=None, help="no solo trial starts past this (from start)")
-    p.add_argument("--extra", nargs="*", default=[], help="more overrides for every map trial")
+    p.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        help="more overrides for every map trial and the settings re-measured alone (not the seed)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     t0 = time.time()
@@ -293,7 +308,7 @@ def main() -> int:
     candidates = [r["setting"] for r in stable[: args.candidates]]
     args.forkserver = launcher.forkserver(list(launcher.DEFAULT_PRELOAD)) if args.solo_preload else None
     result["solo_launcher"] = "forkserver" if args.forkserver else "interpreter"
-    result["seed_config"] = with_mfu(solo(SEED, args, root / "benchmark", "seed"), peak)
+    result["seed_config"] = with_mfu(solo(SEED, args, root / "benchmark", "seed", map_recipe=False), peak)
     print(f"seed alone: {result['seed_config'].get('tokens_per_s')} tokens/s", flush=True)
     save()
     alone = []
@@ -326,7 +341,9 @@ def main() -> int:
         for key in ("seed_config", "best_stable"):
             if result[key] and in_time():
                 name = f"{key}_profile"
-                done = solo(result[key]["setting"], args, root / "benchmark", name, ["measure.profile_step=4"])
+                recipe = key != "seed_config"
+                extra = ["measure.profile_step=4"]
+                done = solo(result[key]["setting"], args, root / "benchmark", name, extra, map_recipe=recipe)
                 profile = root / "benchmark" / "solo" / name / "profile.txt"
                 result[name] = profile.read_text() if profile.exists() else done.get("failure")
                 print(result[name], flush=True)
