@@ -118,9 +118,11 @@ def solo(
     name: str,
     extra: list[str] | None = None,
     map_recipe: bool = True,
+    timeout_s: float | None = None,
 ) -> dict:
-    """One trial alone on the card (the engine is idle): its result.json. `map_recipe`: with the overrides the
-    map's trials had (`--extra`), under the setting's own knobs; the seed is measured without them."""
+    """One trial alone on the card (the engine is idle): its result.json, and its step profile if it wrote one.
+    `map_recipe`: with the overrides the map's trials had (`--extra`), under the setting's own knobs; the seed
+    is measured without them. `timeout_s`: default `--solo-timeout-s`."""
     recipe = list(args.extra) if map_recipe else []
     run_dir = out / "solo" / name
     out.mkdir(parents=True, exist_ok=True)
@@ -130,10 +132,12 @@ def solo(
         f"hardware.vram_budget_gib={args.budget_gib}", "preflight.max_truncated_answer_frac=1.0",
         *SOLO_OVERRIDES, *recipe, *overrides(setting), *(extra or []), f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
-    rc, seconds = run_trial(argv, out / f"solo_{name}.log", args.solo_timeout_s, args.forkserver)
+    timeout_s = args.solo_timeout_s if timeout_s is None else timeout_s
+    rc, seconds = run_trial(argv, out / f"solo_{name}.log", timeout_s, args.forkserver)
     result_file = run_dir / "result.json"
     result = json.loads(result_file.read_text()) if result_file.exists() else {"status": "failed", "metrics": {}}
     m = result.get("metrics", {})
+    profile = run_dir / "profile.txt"
     return {
         "setting": setting,
         "status": result.get("status"),
@@ -145,6 +149,7 @@ def solo(
         "startup_phases_s": {k[len("startup.") : -2]: v for k, v in m.items() if k.startswith("startup.")},
         "probe": SOLO_OVERRIDES,
         "recipe": recipe,
+        **({"profile": profile.read_text()} if profile.exists() else {}),
     }
 
 
@@ -163,6 +168,14 @@ def run_trial(argv: list[str], log: Path, timeout: float, ctx: object) -> tuple[
         proc.wait(60)
         rc = 124
     return rc, time.time() - start
+
+
+def card_rate(logs: Path) -> dict:
+    """The card's bf16 matmul rate (`benchmarks.matmul_rate` in a process of its own), or the error it gave."""
+    sh([sys.executable, "-m", "benchmarks.matmul_rate"], logs / "matmul.log")
+    lines = (logs / "matmul.log").read_text().strip().splitlines()
+    found = next((json.loads(x) for x in reversed(lines) if x.startswith('{"bf16_tflops"')), None)
+    return found or {"error": "\n".join(lines[-5:])}
 
 
 def with_mfu(entry: dict, peak_tflops: float | None) -> dict:
@@ -246,11 +259,7 @@ def main() -> int:
         out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(json.dumps(result, indent=2, default=str))
 
-    rc, _ = sh([sys.executable, "-m", "benchmarks.matmul_rate"], logs / "matmul.log")
-    lines = (logs / "matmul.log").read_text().strip().splitlines()
-    result["matmul"] = next((json.loads(x) for x in reversed(lines) if x.startswith('{"bf16_tflops"')), None) or {
-        "error": "\n".join(lines[-5:])
-    }
+    result["matmul"] = card_rate(logs)
     peak = result["matmul"].get("bf16_tflops")
     print(f"bf16 matmul: {peak} TFLOP/s", flush=True)
 
@@ -344,8 +353,7 @@ def main() -> int:
                 recipe = key != "seed_config"
                 extra = ["measure.profile_step=4"]
                 done = solo(result[key]["setting"], args, root / "benchmark", name, extra, map_recipe=recipe)
-                profile = root / "benchmark" / "solo" / name / "profile.txt"
-                result[name] = profile.read_text() if profile.exists() else done.get("failure")
+                result[name] = done.get("profile") or done.get("failure")
                 print(result[name], flush=True)
                 save()
     if result["best_stable"] and result["seed_config"].get("tokens_per_s"):

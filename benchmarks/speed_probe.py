@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.map_h200 import ROOT, SEED, sh, solo, with_mfu
+from benchmarks.map_h200 import ROOT, SEED, card_rate, sh, solo, with_mfu
 from src import launcher
 from src.tracking import system_tags
 
@@ -86,10 +86,8 @@ def main() -> int:
         result["total_wall_s"] = time.time() - t0
         out.write_text(json.dumps(result, indent=2, default=str))
 
-    sh([sys.executable, "-m", "benchmarks.matmul_rate"], logs / "matmul.log")
-    lines = (logs / "matmul.log").read_text().strip().splitlines()
-    result["matmul"] = next((json.loads(x) for x in reversed(lines) if x.startswith('{"bf16_tflops"')), None)
-    peak = (result["matmul"] or {}).get("bf16_tflops")
+    result["matmul"] = card_rate(logs)
+    peak = result["matmul"].get("bf16_tflops")
     rc, result["build_s"] = sh([sys.executable, "-m", "src.models", f"model={args.model}"], logs / "build.log")
     print(f"bf16 matmul {peak} TFLOP/s; model built in {result['build_s']:.0f}s (rc {rc})", flush=True)
     save()
@@ -101,13 +99,10 @@ def main() -> int:
         if args.deadline_s is not None and time.time() - t0 + budget_s > args.deadline_s:
             result.setdefault("not_run", []).append({"name": name, "why": "out of time"})
             continue
-        args.solo_timeout_s, saved = budget_s, args.solo_timeout_s
-        entry = with_mfu(solo(setting, args, root / "benchmark", name, extra), peak)
-        args.solo_timeout_s = saved
+        entry = with_mfu(
+            solo(setting, args, root / "benchmark", name, extra, map_recipe=False, timeout_s=budget_s), peak
+        )
         entry["name"] = name
-        profile = root / "benchmark" / "solo" / name / "profile.txt"
-        if profile.exists():
-            entry["profile"] = profile.read_text()
         steps = entry.get("step_time_s")
         if steps and entry.get("tokens_per_s"):  # the seed's accumulation: 2 micro-batches per step
             entry["tokens_per_micro_batch"] = entry["tokens_per_s"] * steps / 2
