@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -44,15 +45,21 @@ SEED = {
     "trainer.gradient_checkpointing": True,
     "trainer.group_by_length": True,
     "trainer.packing": False,
+    "model.attn_implementation": "sdpa",
 }
 SOLO_OVERRIDES = ["trainer.max_steps=6", "trainer.warmup_steps=0", "measure.warmup_steps=2"]
-# Speed variants tried on the fastest stable setting: (its knobs, whether it trains the same recipe). A variant
-# that changes the recipe (dropout is regularisation) is measured and reported, but never made the best stable.
-VARIANTS: dict[str, tuple[dict, bool]] = {
-    "bf16_rest": ({"model.upcast_non_quantized": False}, True),  # embeddings, norms, lm_head stay bf16
-    "no_cudnn_attention": ({"model.sdpa_backends": ["flash", "efficient"]}, True),
-    "liger": ({"trainer.use_liger_kernel": True}, True),
-    "no_lora_dropout": ({"lora.lora_dropout": 0.0}, False),
+PROBE_KEYS = {o.split("=", 1)[0] for o in SOLO_OVERRIDES}
+# Speed variants tried on the fastest stable setting: (its knobs, whether it trains the same recipe, more
+# overrides for its probe). A variant that changes the recipe (dropout is regularisation) is measured and
+# reported, but never made the best stable. One the setting already has (by its knobs or the map's --extra), or
+# one that does not apply to it (SDPA's backends without SDPA), is not measured.
+COMPILED_PROBE = ["trainer.max_steps=9", "measure.warmup_steps=4"]  # compiling takes the first steps
+VARIANTS: dict[str, tuple[dict, bool, list[str]]] = {
+    "bf16_rest": ({"model.upcast_non_quantized": False}, True, []),  # embeddings, norms, lm_head stay bf16
+    "no_cudnn_attention": ({"model.sdpa_backends": ["flash", "efficient"]}, True, []),
+    "liger": ({"trainer.use_liger_kernel": True}, True, []),
+    "compile_layers": ({"trainer.torch_compile": "layers"}, True, COMPILED_PROBE),
+    "no_lora_dropout": ({"lora.lora_dropout": 0.0}, False, []),
 }
 MFU_COUNTING = (
     "MFU = useful model FLOP/s / the card's bf16 dense matmul rate measured in this run (8192^3 products). "
@@ -147,7 +154,7 @@ def solo(
         "attention_kernel": result.get("attention_kernel"),
         **{k: v for k, v in m.items() if not k.startswith("startup.")},
         "startup_phases_s": {k[len("startup.") : -2]: v for k, v in m.items() if k.startswith("startup.")},
-        "probe": SOLO_OVERRIDES,
+        "probe": SOLO_OVERRIDES + [e for e in extra or [] if e.split("=", 1)[0] in PROBE_KEYS],
         "recipe": recipe,
         **({"profile": profile.read_text()} if profile.exists() else {}),
     }
@@ -155,11 +162,12 @@ def solo(
 
 def run_trial(argv: list[str], log: Path, timeout: float, ctx: object) -> tuple[int, float]:
     """`python -m src.train argv`, forked from the warm interpreter `ctx` (None: a fresh one); (exit code, s)."""
+    env = {launcher.STARTED_ENV: repr(time.time())}  # start-up counts from the launch (src/measure.py)
     if ctx is None:
-        return sh([sys.executable, "-m", "src.train", *argv], log, timeout=timeout)
+        return sh([sys.executable, "-m", "src.train", *argv], log, timeout=timeout, env={**os.environ, **env})
     start = time.time()
     log.unlink(missing_ok=True)
-    proc = launcher.start(ctx, argv, log, log, {})
+    proc = launcher.start(ctx, argv, log, log, env)
     try:
         rc = proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -188,27 +196,47 @@ def trains_what_the_seed_trains(setting: dict) -> bool:
     return setting["data.max_seq_length"] >= SEED["data.max_seq_length"]
 
 
+def _applies(name: str, setting: dict, recipe: list[str]) -> bool:
+    knobs = VARIANTS[name][0]
+    has = {**dict(o.split("=", 1) for o in recipe), **{k: str(v).lower() for k, v in setting.items()}}
+    if all(has.get(k) == str(v).lower() for k, v in knobs.items()):
+        return False  # already part of the setting or of the map's recipe
+    return not ("model.sdpa_backends" in knobs and has.get("model.attn_implementation", "sdpa") != "sdpa")
+
+
+def _probe_of(names: list[str]) -> list[str]:
+    return [o for name in names for o in VARIANTS[name][2]]
+
+
 def measure_variants(fastest: dict, args: argparse.Namespace, out: Path, peak: float | None, in_time) -> list:
-    """The fastest setting alone with each speed variant, then with those that each gained, together."""
+    """The fastest setting alone with each speed variant, then with those that each gained, together (and with
+    the recipe changes that gained on top of that, reported apart)."""
     base = fastest["tokens_per_s"]
     entries = []
+
+    def measure(names: list[str], run_name: str, same_recipe: bool) -> dict | None:
+        extra = _probe_of(names)
+        timeout = args.compile_timeout_s if extra else args.solo_timeout_s
+        if not in_time(timeout):
+            return None
+        knobs = {k: v for name in names for k, v in VARIANTS[name][0].items()}
+        entry = with_mfu(solo({**fastest["setting"], **knobs}, args, out, run_name, extra, timeout_s=timeout), peak)
+        entry.update(variant="+".join(names), same_recipe=same_recipe, gain=(entry.get("tokens_per_s") or 0) / base)
+        entries.append(entry)
+        print(f"variant {entry['variant']}: {entry.get('tokens_per_s')} tokens/s ({entry['gain']:.2f}x)", flush=True)
+        return entry
+
     for name in args.variants:
-        knobs, same_recipe = VARIANTS[name]
-        if not in_time():
-            break
-        entry = with_mfu(solo({**fastest["setting"], **knobs}, args, out, f"variant_{name}"), peak)
-        entry.update(variant=name, same_recipe=same_recipe, gain=(entry.get("tokens_per_s") or 0) / base)
-        entries.append(entry)
-        print(f"variant {name}: {entry.get('tokens_per_s')} tokens/s ({entry['gain']:.2f}x)", flush=True)
+        if _applies(name, fastest["setting"], fastest.get("recipe", [])):
+            measure([name], f"variant_{name}", VARIANTS[name][1])
     # Within noise (2%) is no gain; a recipe change joins only the recipe-changing combination.
-    gained = [e for e in entries if e["status"] == "ok" and e["gain"] > 1.02 and e["same_recipe"]]
-    if len(gained) >= 2 and in_time():
-        knobs = {k: v for e in gained for k, v in VARIANTS[e["variant"]][0].items()}
-        name = "+".join(e["variant"] for e in gained)
-        entry = with_mfu(solo({**fastest["setting"], **knobs}, args, out, "variant_combined"), peak)
-        entry.update(variant=name, same_recipe=True, gain=(entry.get("tokens_per_s") or 0) / base)
-        entries.append(entry)
-        print(f"variants {name} together: {entry.get('tokens_per_s')} tokens/s ({entry['gain']:.2f}x)", flush=True)
+    singles = [e for e in entries if e["status"] == "ok" and e["gain"] > 1.02]
+    gained = [e["variant"] for e in singles if e["same_recipe"]]
+    if len(gained) >= 2:
+        measure(gained, "variant_combined", True)
+    recipe_changes = [e["variant"] for e in singles if not e["same_recipe"]]
+    if gained and recipe_changes:
+        measure(gained + recipe_changes, "variant_combined_recipe_change", False)
     return entries
 
 
@@ -219,6 +247,7 @@ def main() -> int:
     p.add_argument("--slots", type=int, default=5, help="trials at once on the card during the map")
     p.add_argument("--map-timeout-s", type=float, default=420)
     p.add_argument("--solo-timeout-s", type=float, default=120)
+    p.add_argument("--compile-timeout-s", type=float, default=200, help="for a solo trial that compiles")
     p.add_argument("--candidates", type=int, default=2, help="fastest stable settings re-measured alone")
     p.add_argument(
         "--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), help="speed variants of the fastest"
@@ -251,7 +280,11 @@ def main() -> int:
     root = Path(os.environ.get("QLORA_ROOT", ROOT))
     logs = root / "benchmark_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    result: dict = {"model": args.model, "vram_budget_gib": args.budget_gib}
+    result: dict = {
+        "command": "python -m benchmarks.map_h200 " + " ".join(sys.argv[1:]),
+        "model": args.model,
+        "vram_budget_gib": args.budget_gib,
+    }
 
     def save() -> None:
         """Written after every phase, so a run cut short by the device's time limit still leaves its figures."""
@@ -297,8 +330,9 @@ def main() -> int:
             "per_trial_fixed_s": statistics.median(r["startup_s"] for r in launched if "startup_s" in r)
             if any("startup_s" in r for r in launched)
             else None,
-            "per_trial_fixed_s_note": f"median start-up (process start to first step) of the map's trials, "
-            f"{args.slots} starting at once on one machine",
+            "per_trial_fixed_s_note": f"median start-up (the engine's launch of the trial to the start of its "
+            f"first step) of the map's launched trials, {args.slots} trials at once on one machine",
+            "startup_phases_median_s": summarize.median_phases(launched),
         }
     )
     result["counts"] = counts = summarize.counts(rows)
@@ -348,11 +382,15 @@ def main() -> int:
     if args.profile:
         # Runs of their own: a profiled step is slower, so its figures stay out of the measured ones.
         for key in ("seed_config", "best_stable"):
-            if result[key] and in_time():
+            compiled = result[key] and result[key]["setting"].get("trainer.torch_compile") not in (None, False)
+            timeout = args.compile_timeout_s if compiled else args.solo_timeout_s
+            if result[key] and in_time(timeout):
                 name = f"{key}_profile"
                 recipe = key != "seed_config"
-                extra = ["measure.profile_step=4"]
-                done = solo(result[key]["setting"], args, root / "benchmark", name, extra, map_recipe=recipe)
+                extra = [*COMPILED_PROBE, "measure.profile_step=6"] if compiled else ["measure.profile_step=4"]
+                done = solo(
+                    result[key]["setting"], args, root / "benchmark", name, extra, map_recipe=recipe, timeout_s=timeout
+                )
                 result[name] = done.get("profile") or done.get("failure")
                 print(result[name], flush=True)
                 save()
@@ -367,6 +405,15 @@ def main() -> int:
         "no OOM) with max_seq_length >= the seed's, rank and accumulation as the seed's (fixed in the map), "
         "or one of its speed variants that trains the same recipe (same_recipe) and stayed within the budget"
     )
+    # The map's report (src.report: table, pictures) beside the result file.
+    report_dir = out_file.with_suffix("")
+    rc, _ = sh([sys.executable, "-m", "src.report", study, "--storage", storage], logs / "report.log", timeout=300)
+    if rc == 0:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        for f in [root / "sweeps" / study / "report.md", *(root / "sweeps" / study).glob("*.png")]:
+            if f.exists():
+                shutil.copy(f, report_dir / f.name)
+        result["report"] = str(report_dir.relative_to(ROOT)) if report_dir.is_relative_to(ROOT) else str(report_dir)
     save()
     print(f"wrote {out_file}", flush=True)
     for key in ("seed_config", "best_stable"):

@@ -30,6 +30,9 @@ PACKED = {"trainer.gradient_checkpointing": True, "trainer.group_by_length": Fal
 LEAN = {"model.upcast_non_quantized": False, "model.sdpa_backends": ["flash", "efficient"]}
 # Padding-free attention per packed sequence (src/attention.py) instead of SDPA over a block-diagonal mask.
 VARLEN = {"model.upcast_non_quantized": False, "model.attn_implementation": "varlen"}
+V4096x4 = {**SEED, **PACKED, "data.max_seq_length": 4096, "trainer.per_device_train_batch_size": 4, **VARLEN}
+# A compiled trial compiles in its first steps (and again when packed lengths first change): measure later ones.
+COMPILED_PROBE = ["trainer.max_steps=9", "measure.warmup_steps=4"]
 # (name, knobs, extra overrides). Micro-batch tokens of packed rows = max_seq_length x batch, at most.
 SETTINGS: list[tuple[str, dict, list[str]]] = [
     ("seed_profile", SEED, ["measure.profile_step=4"]),
@@ -56,6 +59,23 @@ SETTINGS: list[tuple[str, dict, list[str]]] = [
      []),
     ("packed_1024x4_lean_compiled", {**SEED, **PACKED, "trainer.per_device_train_batch_size": 4, **LEAN,
                                      "trainer.torch_compile": True}, []),
+    # What is left of a 31%-MFU step (NOTES §4c): the elementwise kernels around the matmuls (norms, RoPE,
+    # SiLU x up, LoRA's dropout/scale/add), checkpointing's recompute, LoRA dropout's copies.
+    ("varlen_4096x4_nodrop", {**V4096x4, "lora.lora_dropout": 0.0}, []),
+    ("varlen_4096x4_liger", {**V4096x4, "trainer.use_liger_kernel": True}, []),
+    ("varlen_4096x4_layers", {**V4096x4, "trainer.torch_compile": "layers"}, COMPILED_PROBE),
+    ("varlen_4096x4_layers_nodrop", {**V4096x4, "trainer.torch_compile": "layers", "lora.lora_dropout": 0.0},
+     COMPILED_PROBE),
+    ("varlen_4096x4_layers_liger", {**V4096x4, "trainer.torch_compile": "layers", "trainer.use_liger_kernel": True},
+     COMPILED_PROBE),
+    ("varlen_4096x4_layers_liger_nodrop", {**V4096x4, "trainer.torch_compile": "layers",
+                                           "trainer.use_liger_kernel": True, "lora.lora_dropout": 0.0},
+     COMPILED_PROBE),
+    ("varlen_1024x2_nockpt", {**V4096x4, "data.max_seq_length": 1024, "trainer.per_device_train_batch_size": 2,
+                              "trainer.gradient_checkpointing": False}, []),
+    ("varlen_1024x2_nockpt_layers", {**V4096x4, "data.max_seq_length": 1024, "trainer.per_device_train_batch_size": 2,
+                                     "trainer.gradient_checkpointing": False, "trainer.torch_compile": "layers"},
+     COMPILED_PROBE),
 ]  # fmt: skip
 
 
@@ -94,7 +114,7 @@ def main() -> int:
     args.forkserver = launcher.forkserver(list(launcher.DEFAULT_PRELOAD))
     named = {name: (name, setting, extra) for name, setting, extra in SETTINGS}
     for name, setting, extra in [named[n] for n in args.only] if args.only is not None else SETTINGS:  # in order
-        compiled = bool(setting.get("trainer.torch_compile"))
+        compiled = setting.get("trainer.torch_compile") not in (None, False)
         budget_s = args.compile_timeout_s if compiled else args.solo_timeout_s
         if args.deadline_s is not None and time.time() - t0 + budget_s > args.deadline_s:
             result.setdefault("not_run", []).append({"name": name, "why": "out of time"})

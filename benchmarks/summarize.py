@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 from pathlib import Path
 
 import optuna
@@ -51,6 +52,7 @@ def trials(storage: str, study: str) -> list[dict]:
                 "skipped_reason": a.get("skipped.reason"),
                 "attention_kernel": a.get("attention.kernel"),
                 **{k: a[k] for k in FIELDS if k in a},
+                "startup_phases_s": {k[len("startup.") : -2]: v for k, v in a.items() if k.startswith("startup.")},
                 "mlflow_run_id": a.get("mlflow_run_id"),
                 "duration_s": (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else None,
                 "started": t.datetime_start.timestamp() if t.datetime_start else None,
@@ -67,6 +69,16 @@ def counts(rows: list[dict]) -> dict[str, int]:
         key = f"failed:{r['failure_kind']}" if r["status"] == "failed" else r["status"]
         out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items()))
+
+
+def median_phases(rows: list[dict]) -> dict[str, float]:
+    """Median seconds from a trial's launch to the end of each start-up phase, over the rows that have it."""
+    names: dict[str, list[float]] = {}
+    for r in rows:
+        for name, seconds in (r.get("startup_phases_s") or {}).items():
+            names.setdefault(name, []).append(seconds)
+    medians = {name: statistics.median(values) for name, values in names.items()}
+    return dict(sorted(medians.items(), key=lambda kv: kv[1]))
 
 
 def oom_by_half(rows: list[dict]) -> dict[str, dict[str, int]]:

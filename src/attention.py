@@ -91,7 +91,8 @@ def varlen_attention_forward(
     cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     index = keep.flatten().nonzero().squeeze(1)
     flat = [t.reshape(batch * seq, *t.shape[2:]).index_select(0, index) for t in (q, k, v)]
-    out = _run(*flat, cu, int(lengths.max()), scaling)
+    # The padded length bounds every sequence: no device-to-host read of the longest (a sync per layer).
+    out = _run(*flat, cu, seq, scaling)
     padded = out.new_zeros(batch * seq, heads, dim).index_copy(0, index, out)
     return padded.view(batch, seq, heads, dim).to(dtype), None
 

@@ -98,7 +98,9 @@ class TrainerConfig:
     padding_free: bool = False
     packing: bool = False
     use_liger_kernel: bool = False
-    torch_compile: bool = False  # torch.compile the model (transformers' Trainer does it)
+    # false | true (the whole model, by transformers' Trainer) | layers (each decoder layer: one compiled graph
+    # serves all of them, so it compiles in seconds, not minutes; src/models.py compile_layers)
+    torch_compile: Any = False
     assistant_only_loss: bool = False
     torch_empty_cache_steps: int | None = None
     logging_steps: int = 1
@@ -114,6 +116,7 @@ class MeasureConfig:
     nvml_interval_s: float = 0.05
     profile_attention: bool = True
     profile_step: int | None = None  # profile this step's kernels (profile.txt): where a step's time goes
+    profile_startup: bool = False  # profile the start-up's Python calls (startup_profile.txt)
 
 
 @dataclass
@@ -224,6 +227,7 @@ def sft_kwargs(cfg: DictConfig, use_cpu: bool) -> dict[str, Any]:
     """trl.SFTConfig keyword arguments from our config: the users' older names mapped to today's."""
     t = cfg.trainer
     kwargs: dict[str, Any] = {name: t[name] for name in _SFT_FIELDS}
+    kwargs["torch_compile"] = t.torch_compile is True  # "layers" is ours (src/models.py compile_layers)
     kwargs.update(
         # trl <0.20 `max_seq_length` -> `max_length`
         max_length=cfg.data.max_seq_length,

@@ -8,9 +8,10 @@ same way; only the imported code is shared (copy-on-write).
 
 Only modules that leave CUDA alone on import may be preloaded: a process forked after CUDA was initialized
 cannot use it. bitsandbytes reads the device's compute capability as it loads (and peft, trl's trainer and
-`transformers.Trainer` import it), so those load in the trial. The forkserver asks torch about GPUs through
-NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1), and before the first trial a probe child checks that CUDA still works
-after the fork; if it does not, trials start as fresh interpreters, with a warning.
+`transformers.Trainer` import it); `src.warm` imports them with that question answered by NVML instead. The
+forkserver asks torch about GPUs through NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1), and before the first trial a
+probe child checks that CUDA was not initialized before the fork and still works after it; if not, trials
+start as fresh interpreters, with a warning.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Safe to preload (none imports bitsandbytes or creates a CUDA context); missing ones are skipped.
+# Safe to preload (none creates a CUDA context; src.warm imports bitsandbytes, peft and trl without one);
+# missing ones are skipped.
 DEFAULT_PRELOAD = (
     "torch",
     "torch._dynamo",
@@ -37,6 +39,7 @@ DEFAULT_PRELOAD = (
     "accelerate",
     "datasets",
     "mlflow",
+    "mlflow.store.tracking.sqlalchemy_store",  # the SQLite store's SQLAlchemy and alembic: ~0.6 s a trial
     "pandas",
     "sklearn",
     "torchvision",
@@ -46,7 +49,10 @@ DEFAULT_PRELOAD = (
     "src.data",
     "src.models",
     "src.failures",
+    "src.warm",
 )
+# The launcher's clock when it started a trial (epoch seconds): the trial's start-up is counted from it.
+STARTED_ENV = "QLORA_TRIAL_STARTED"
 _lock = threading.Lock()
 _context: Any = None  # the forkserver context once it proved safe, False once it did not
 
@@ -97,7 +103,7 @@ def _start(preload: list[str]) -> Any:
             probe.kill()
         log.warning(
             "hydra.sweeper.preload: a child forked from the preloaded interpreter cannot use CUDA (probe exit %s; "
-            "a preloaded module initialized CUDA or imported bitsandbytes); trials start as fresh interpreters",
+            "a preloaded module initialized CUDA); trials start as fresh interpreters",
             probe.exitcode,
         )
         return False
@@ -105,11 +111,9 @@ def _start(preload: list[str]) -> Any:
 
 
 def _probe() -> None:
-    if "bitsandbytes" in sys.modules:
-        sys.exit(3)
     import torch
 
-    if torch.cuda._is_in_bad_fork():
+    if torch.cuda._is_in_bad_fork():  # the forkserver had initialized CUDA: this child cannot use it
         sys.exit(4)
     if torch.cuda.is_available():
         torch.zeros(1, device="cuda")

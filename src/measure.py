@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -157,6 +158,19 @@ def _row_lengths(kwargs: dict[str, Any]) -> torch.Tensor | None:
     return None
 
 
+def trial_started() -> float:
+    """When this trial was launched: the engine's clock at launch (QLORA_TRIAL_STARTED, so a forked trial counts
+    its fork too), else this process's start. The kernel's process start time is only as exact as its boot time
+    (whole seconds), so it can be up to a second early."""
+    from src.launcher import STARTED_ENV
+
+    launched = os.environ.get(STARTED_ENV)
+    if launched:
+        with contextlib.suppress(ValueError):
+            return float(launched)
+    return psutil.Process().create_time()
+
+
 class Measurements(TrainerCallback):
     """Collects per-step time, tokens and memory; writes `progress.json` at every step for the watchdog."""
 
@@ -192,8 +206,8 @@ class Measurements(TrainerCallback):
         if model is not None:
             self.flops = FlopCounter(model)
         self._sync()
-        # The per-trial fixed cost: process start (imports included) to the first step.
-        self.startup_s = time.time() - psutil.Process().create_time()
+        # The per-trial fixed cost: the trial's launch (imports included) to the first step.
+        self.startup_s = time.time() - trial_started()
         self._last_t = time.perf_counter()
         self._last_tokens = state.num_input_tokens_seen
         self.write_progress("training")

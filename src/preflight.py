@@ -198,6 +198,13 @@ def check_config(cfg: DictConfig, report: Report) -> None:
                 "trainer.use_liger_kernel=true, but the liger-kernel package is not installed: "
                 "pip install 'liger-kernel>=0.8' (needs a CUDA GPU with Triton), or set trainer.use_liger_kernel=false",
             )
+    if cfg.trainer.torch_compile not in (False, True, "layers"):
+        report.add(
+            "torch_compile",
+            "error",
+            f"trainer.torch_compile={cfg.trainer.torch_compile} is not one of false, true (the whole model) or "
+            "layers (each decoder layer, compiled once for all of them)",
+        )
     backends = cfg.model.sdpa_backends
     if backends is not None:
         unknown = [b for b in backends if b not in SDPA_BACKENDS]

@@ -135,10 +135,13 @@ def discover_slots(sweeper: DictConfig) -> list[Slot]:
     per = sweeper.gpus_per_trial
     groups = [devices[i : i + per] for i in range(0, len(devices) - per + 1, per)]
     copies = sweeper.slots_per_gpu if per == 1 else 1
+    # Trials at once share the machine's cores: each gets its share of CPU threads (as torchrun does), so that
+    # five trials starting together do not run 5 x all-cores thread pools (tokenizing, collating, torch's own).
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // max(1, len(groups) * copies)))
     return [
         Slot(
             f"cuda{','.join(map(str, g))}" + (f"#{c}" if copies > 1 else ""),
-            {"CUDA_VISIBLE_DEVICES": ",".join(map(str, g))},
+            {"CUDA_VISIBLE_DEVICES": ",".join(map(str, g)), "OMP_NUM_THREADS": threads},
         )
         for g in groups
         for c in range(copies)
@@ -195,6 +198,7 @@ def run_process(
     preload = _preload_modules(sweeper.get("preload"))
     ctx = launcher.forkserver(preload) if preload else None
     started = time.time()
+    extra_env[launcher.STARTED_ENV] = repr(started)  # the trial's start-up is counted from here (src/measure.py)
     timed_out = False
     with (log_dir / "stdout.log").open("wb") as out, (log_dir / "stderr.log").open("wb") as err:
         if ctx is not None:  # forked from the warm interpreter: no imports to pay (src/launcher.py)

@@ -28,11 +28,11 @@ PROGRESS_FILE = "progress.json"
 
 
 def _mark(state: dict[str, Any], phase: str) -> None:
-    """Seconds from process start to the end of a start-up phase (metrics `startup.<phase>_s`): where the
+    """Seconds from the trial's launch to the end of a start-up phase (metrics `startup.<phase>_s`): where the
     per-trial fixed cost goes."""
-    import psutil
+    from src.measure import trial_started
 
-    state.setdefault("phases", {})[f"startup.{phase}_s"] = time.time() - psutil.Process().create_time()
+    state.setdefault("phases", {})[f"startup.{phase}_s"] = time.time() - trial_started()
 
 
 def _dataset(cfg: DictConfig, tokenizer: Any, world_size: int) -> tuple[Any, dict[str, float]]:
@@ -69,6 +69,11 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     from src.measure import AttentionProbe, Measurements, StepProfiler, cap_to_budget
 
     _mark(state, "libraries")
+    if cfg.measure.profile_startup:  # where the start-up goes, function by function (startup_profile.txt)
+        import cProfile
+
+        state["startup_profiler"] = cProfile.Profile()
+        state["startup_profiler"].enable()
     client, run_id = state["client"], state["run_id"]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # The watchdog reads the trial's progress file; in a data-parallel trial rank 0 writes it.
@@ -96,12 +101,12 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     dataset, stats = _dataset(cfg, tokenizer, world_size=world_size)
     tracking.log_metrics(client, run_id, stats)
     _mark(state, "dataset")
-    trainer = SFTTrainer(
+    model = models.attach_lora(model, instantiate(cfg.lora, _convert_="all"))
+    trainer = SFTTrainer(  # trl casts the adapters to bf16 on a 4-bit base, as it does with a peft_config
         model=model,
         args=SFTConfig(**sft_kwargs(cfg, use_cpu=not torch.cuda.is_available())),
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=instantiate(cfg.lora, _convert_="all"),
     )
     probe = state["attention"] = AttentionProbe(at_step=max(1, cfg.measure.warmup_steps))
     guards = preflight.CheckpointingGuard(cfg.trainer.gradient_checkpointing)
@@ -111,8 +116,15 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
         callbacks.insert(1, state["profiler"])
     for callback in callbacks:
         trainer.add_callback(callback)
+    if cfg.trainer.torch_compile == "layers":
+        models.compile_layers(trainer.model)  # compiles in the first steps (first_step_s), not here
     state["trainer"] = trainer
     _mark(state, "trainer_init")
+    if state.get("startup_profiler") is not None:
+        state["startup_profiler"].disable()
+        text = _profile_text(state["startup_profiler"])
+        (out_dir / "startup_profile.txt").write_text(text)
+        tracking.log_text(client, run_id, text, "startup_profile.txt")
     with models.attention_kernels(cfg):
         trainer.train()
     if state.get("profiler") is not None and state["profiler"].text:
@@ -121,6 +133,15 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
         adapter = out_dir / "adapter"
         trainer.model.save_pretrained(adapter)
         client.log_artifacts(run_id, str(adapter), "adapter")
+
+
+def _profile_text(profiler: Any, limit: int = 40) -> str:
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(limit)
+    return out.getvalue()
 
 
 def _open_run(cfg: DictConfig) -> tuple[Any, str]:
@@ -140,10 +161,12 @@ def _open_run(cfg: DictConfig) -> tuple[Any, str]:
 
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run one trial and record it; returns the outcome (also written to result.json)."""
+    state: dict[str, Any] = {}
+    _mark(state, "python_and_hydra")  # the interpreter (or the fork) and Hydra's composition of the config
     out_dir.mkdir(parents=True, exist_ok=True)
     client, run_id = _open_run(cfg)
     launch_blocking = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
-    state: dict[str, Any] = {"client": client, "run_id": run_id}
+    state.update(client=client, run_id=run_id)
     _mark(state, "python_and_mlflow")
     failure: Failure | None = None
     try:

@@ -269,3 +269,19 @@ def test_memory_monotone_typo_is_refused(root: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"memory_monotone\.rank='bigger'.*increasing, decreasing, neutral"):
         SweepEngine(cfg, [])
+
+
+def test_trials_sharing_a_gpu_machine_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omegaconf import OmegaConf
+
+    from src.sweep import discover_slots
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    sweeper = OmegaConf.create({"devices": [0, 1], "gpus_per_trial": 1, "slots_per_gpu": 3, "cpu_slots": 2})
+    slots = discover_slots(sweeper)
+    assert [s.name for s in slots] == ["cuda0#0", "cuda0#1", "cuda0#2", "cuda1#0", "cuda1#1", "cuda1#2"]
+    assert {s.env["CUDA_VISIBLE_DEVICES"] for s in slots[:3]} == {"0"}
+    assert {s.env["OMP_NUM_THREADS"] for s in slots} == {"2"}, "16 cores over 6 trials at once"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's own setting wins
+    assert {s.env["OMP_NUM_THREADS"] for s in discover_slots(sweeper)} == {"4"}

@@ -122,6 +122,33 @@ def test_upcast_non_quantized_decides_the_dtype_of_embeddings_norms_and_lm_head(
     assert model.is_gradient_checkpointing
 
 
+def test_compiled_layers_train_the_same_adapter_with_one_graph_for_every_layer(root: Path) -> None:
+    import torch._dynamo
+
+    losses = {}
+    for mode in (False, "layers"):
+        out = root / f"trial-{mode}"
+        out.mkdir()
+        cfg = compose_cfg(
+            ["trainer=probe", "trainer.max_steps=2", "measure.warmup_steps=1", f"trainer.torch_compile={mode}"]
+            + [f"trainer.output_dir={out}", "trainer.packing=true"]
+        )
+        client, run_id = trial._open_run(cfg)
+        state = {"client": client, "run_id": run_id}
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        trial._train(cfg, out, state)
+        losses[mode] = state["trainer"].state.log_history[-1]["train_loss"]
+        layers = state["trainer"].model.base_model.model.model.layers
+        if mode == "layers":
+            assert all(layer._compiled_call_impl is not None for layer in layers)
+            # both decoder layers ran through one compiled graph, not one each
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        else:
+            assert all(layer._compiled_call_impl is None for layer in layers)
+    assert math.isclose(losses[False], losses["layers"], rel_tol=1e-2), losses
+
+
 def test_sdpa_backends_decide_the_attention_kernel_that_runs(root: Path, mlflow_client) -> None:
     # On a CPU torch picks its flash kernel (flash_cpu); allowing only the math path must show in the tag.
     done = run_cli("src.train", "trainer=probe", "trainer.max_steps=3", "model.sdpa_backends=[math]", root=root)
