@@ -53,7 +53,8 @@ PROBE_KEYS = {o.split("=", 1)[0] for o in SOLO_OVERRIDES}
 # overrides for its probe). A variant that changes the recipe (dropout is regularisation) is measured and
 # reported, but never made the best stable. One the setting already has (by its knobs or the map's --extra), or
 # one that does not apply to it (SDPA's backends without SDPA), is not measured.
-COMPILED_PROBE = ["trainer.max_steps=9", "measure.warmup_steps=4"]  # compiling takes the first steps
+# A compiled trial compiles in its first steps (and again when packed lengths first change): measure later ones.
+COMPILED_PROBE = ["trainer.max_steps=9", "measure.warmup_steps=4"]
 VARIANTS: dict[str, tuple[dict, bool, list[str]]] = {
     "bf16_rest": ({"model.upcast_non_quantized": False}, True, []),  # embeddings, norms, lm_head stay bf16
     "no_cudnn_attention": ({"model.sdpa_backends": ["flash", "efficient"]}, True, []),
@@ -153,7 +154,7 @@ def solo(
         "wall_s": seconds,
         "attention_kernel": result.get("attention_kernel"),
         **{k: v for k, v in m.items() if not k.startswith("startup.")},
-        "startup_phases_s": {k[len("startup.") : -2]: v for k, v in m.items() if k.startswith("startup.")},
+        "startup_phases_s": summarize.startup_phases(m),
         "probe": SOLO_OVERRIDES + [e for e in extra or [] if e.split("=", 1)[0] in PROBE_KEYS],
         "recipe": recipe,
         **({"profile": profile.read_text()} if profile.exists() else {}),
@@ -184,6 +185,11 @@ def card_rate(logs: Path) -> dict:
     lines = (logs / "matmul.log").read_text().strip().splitlines()
     found = next((json.loads(x) for x in reversed(lines) if x.startswith('{"bf16_tflops"')), None)
     return found or {"error": "\n".join(lines[-5:])}
+
+
+def compiles(setting: dict) -> bool:
+    """Whether a setting torch.compiles: its first steps compile, so it needs COMPILED_PROBE and more time."""
+    return setting.get("trainer.torch_compile") not in (None, False)
 
 
 def with_mfu(entry: dict, peak_tflops: float | None) -> dict:
@@ -236,11 +242,11 @@ def measure_variants(fastest: dict, args: argparse.Namespace, out: Path, peak: f
     entries = []
 
     def measure(names: list[str], run_name: str, same_recipe: bool) -> dict | None:
-        extra = _probe_of(names)
-        timeout = args.compile_timeout_s if extra else args.solo_timeout_s
+        knobs = {k: v for name in names for k, v in VARIANTS[name][0].items()}
+        timeout = args.compile_timeout_s if compiles(knobs) else args.solo_timeout_s
         if not in_time(timeout):
             return None
-        knobs = {k: v for name in names for k, v in VARIANTS[name][0].items()}
+        extra = _probe_of(names)
         entry = with_mfu(solo({**fastest["setting"], **knobs}, args, out, run_name, extra, timeout_s=timeout), peak)
         entry.update(variant="+".join(names), same_recipe=same_recipe, gain=(entry.get("tokens_per_s") or 0) / base)
         entries.append(entry)
@@ -404,7 +410,7 @@ def main() -> int:
     if args.profile:
         # Runs of their own: a profiled step is slower, so its figures stay out of the measured ones.
         for key in ("seed_config", "best_stable"):
-            compiled = result[key] and result[key]["setting"].get("trainer.torch_compile") not in (None, False)
+            compiled = bool(result[key]) and compiles(result[key]["setting"])
             timeout = args.compile_timeout_s if compiled else args.solo_timeout_s
             if result[key] and in_time(timeout):
                 name = f"{key}_profile"

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.map_h200 import ROOT, SEED, card_rate, sh, solo, with_mfu
+from benchmarks.map_h200 import COMPILED_PROBE, ROOT, SEED, card_rate, compiles, sh, solo, with_mfu
 from src import launcher
 from src.tracking import system_tags
 
@@ -31,8 +31,6 @@ LEAN = {"model.upcast_non_quantized": False, "model.sdpa_backends": ["flash", "e
 # Padding-free attention per packed sequence (src/attention.py) instead of SDPA over a block-diagonal mask.
 VARLEN = {"model.upcast_non_quantized": False, "model.attn_implementation": "varlen"}
 V4096x4 = {**SEED, **PACKED, "data.max_seq_length": 4096, "trainer.per_device_train_batch_size": 4, **VARLEN}
-# A compiled trial compiles in its first steps (and again when packed lengths first change): measure later ones.
-COMPILED_PROBE = ["trainer.max_steps=9", "measure.warmup_steps=4"]
 # (name, knobs, extra overrides). Micro-batch tokens of packed rows = max_seq_length x batch, at most.
 SETTINGS: list[tuple[str, dict, list[str]]] = [
     ("seed_profile", SEED, ["measure.profile_step=4"]),
@@ -50,13 +48,10 @@ SETTINGS: list[tuple[str, dict, list[str]]] = [
                                         "trainer.per_device_train_batch_size": batch, **VARLEN}, [])
         for seq, batch in ((1024, 4), (2048, 4), (4096, 2), (4096, 4), (8192, 2), (8192, 4))
     ],
-    ("varlen_4096x4_lean_profile", {**SEED, **PACKED, "data.max_seq_length": 4096,
-                                    "trainer.per_device_train_batch_size": 4, **VARLEN}, ["measure.profile_step=4"]),
+    ("varlen_4096x4_lean_profile", V4096x4, ["measure.profile_step=4"]),
     ("flex_4096x4_lean", {**SEED, **PACKED, "data.max_seq_length": 4096, "trainer.per_device_train_batch_size": 4,
                           "model.upcast_non_quantized": False, "model.attn_implementation": "flex_attention"}, []),
-    ("varlen_4096x4_lean_compiled", {**SEED, **PACKED, "data.max_seq_length": 4096,
-                                     "trainer.per_device_train_batch_size": 4, **VARLEN, "trainer.torch_compile": True},
-     []),
+    ("varlen_4096x4_lean_compiled", {**V4096x4, "trainer.torch_compile": True}, []),
     ("packed_1024x4_lean_compiled", {**SEED, **PACKED, "trainer.per_device_train_batch_size": 4, **LEAN,
                                      "trainer.torch_compile": True}, []),
     # What is left of a 31%-MFU step (NOTES §4c): the elementwise kernels around the matmuls (norms, RoPE,
@@ -114,8 +109,7 @@ def main() -> int:
     args.forkserver = launcher.forkserver(list(launcher.DEFAULT_PRELOAD))
     named = {name: (name, setting, extra) for name, setting, extra in SETTINGS}
     for name, setting, extra in [named[n] for n in args.only] if args.only is not None else SETTINGS:  # in order
-        compiled = setting.get("trainer.torch_compile") not in (None, False)
-        budget_s = args.compile_timeout_s if compiled else args.solo_timeout_s
+        budget_s = args.compile_timeout_s if compiles(setting) else args.solo_timeout_s
         if args.deadline_s is not None and time.time() - t0 + budget_s > args.deadline_s:
             result.setdefault("not_run", []).append({"name": name, "why": "out of time"})
             continue

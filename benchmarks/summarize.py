@@ -36,6 +36,11 @@ FIELDS = (
 )
 
 
+def startup_phases(metrics: dict) -> dict[str, float]:
+    """`startup.<phase>_s` metrics (or trial attributes) as {phase: seconds from the trial's launch}."""
+    return {k[len("startup.") : -2]: v for k, v in metrics.items() if k.startswith("startup.")}
+
+
 def trials(storage: str, study: str) -> list[dict]:
     out = []
     for t in optuna.load_study(study_name=study, storage=storage).get_trials(deepcopy=False):
@@ -52,7 +57,7 @@ def trials(storage: str, study: str) -> list[dict]:
                 "skipped_reason": a.get("skipped.reason"),
                 "attention_kernel": a.get("attention.kernel"),
                 **{k: a[k] for k in FIELDS if k in a},
-                "startup_phases_s": {k[len("startup.") : -2]: v for k, v in a.items() if k.startswith("startup.")},
+                "startup_phases_s": startup_phases(a),
                 "mlflow_run_id": a.get("mlflow_run_id"),
                 "duration_s": (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else None,
                 "started": t.datetime_start.timestamp() if t.datetime_start else None,
