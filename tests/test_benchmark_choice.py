@@ -33,9 +33,29 @@ def test_each_way_of_forming_batches_gets_a_candidate_before_any_gets_two() -> N
         (True, "sdpa"),
     ]
     assert picked[1]["data.max_seq_length"] == 2048, "within a family, the fastest reading first"
-    fifth = pick_candidates(stable, 5)[4]
-    assert (fifth["trainer.packing"], fifth["data.max_seq_length"]) == (True, 4096), "then runners-up"
+    fifth, sixth = pick_candidates(stable, 6)[4:]
+    assert (fifth["trainer.packing"], fifth["data.max_seq_length"]) == (False, 2048), "then a family's largest"
+    assert (sixth["trainer.packing"], sixth["data.max_seq_length"]) == (True, 4096), "then runners-up"
     assert pick_candidates(stable, 0) == [] and pick_candidates([], 3) == []
+
+
+def test_each_family_s_largest_micro_batch_comes_before_runners_up() -> None:
+    # v4's map: packed varlen 4096 x 4 read third in its family; alone, compiled, it ran 20% faster than the first
+    stable = [
+        _row(1024, 4, True, "varlen", 4975),
+        _row(2048, 2, True, "varlen", 4755),
+        _row(4096, 4, True, "varlen", 4205),
+        _row(2048, 8, False, "varlen", 2809),
+        _row(2048, 4, False, "varlen", 2000),
+    ]
+    picked = pick_candidates(stable, 4)
+    assert [(s["data.max_seq_length"], s["trainer.per_device_train_batch_size"]) for s in picked] == [
+        (1024, 4),
+        (2048, 8),
+        (4096, 4),
+        (2048, 2),
+    ], "fastest of each family; each family's largest (padded 2048 x 8 is both: not twice); then runners-up"
+    assert len(pick_candidates(stable, 10)) == len(stable), "every stable setting at most once"
 
 
 def test_a_variant_the_setting_already_has_or_that_cannot_apply_is_not_measured() -> None:
