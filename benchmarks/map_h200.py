@@ -366,6 +366,9 @@ def main() -> int:
             "settings": len(rows),
             "launched": len(launched),
             "configs": [r for r in rows if r["status"] in ("ok", "failed")],
+            "configs_throughput_note": f"tokens_per_s and step_time_s of `configs` were read with {args.slots} "
+            "trials sharing the card: they rank settings roughly and are not solo speeds; solo figures are in "
+            "seed_config, candidates_alone, variants_alone and best_stable",
             "skipped": [r for r in rows if r["status"] == "skipped"],
             "per_trial_fixed_s": statistics.median(r["startup_s"] for r in launched if "startup_s" in r)
             if any("startup_s" in r for r in launched)

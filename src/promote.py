@@ -254,6 +254,11 @@ def header(
         f"{m.get('step_time_s', float('nan')):.3f}, peak_vram_reserved_gib {m.get('peak_vram_reserved_gib', float('nan')):.2f} "
         f"of {budget:g} (headroom {m.get('vram_headroom_frac', float('nan')):.0%})",
     ]
+    shared = sweep.card_shared_by()
+    if shared > 1:
+        lines.append(
+            f"            tokens_per_s and step_time_s read with up to {shared} trials sharing a card: not solo"
+        )
     if "peak_vram_device_gib" in m:
         lines.append(
             f"            peak_vram_device_gib {m['peak_vram_device_gib']:.2f} (whole process, CUDA context incl.)"
@@ -337,6 +342,8 @@ def register(client: Any, name: str, sweep: Sweep, row: TrialRow, description: s
     ):
         if key in m:
             tags[key] = f"{m[key]:.4g}"
+    if sweep.card_shared_by() > 1:  # its throughput is a shared-card reading, not the setting's solo speed
+        tags["card_shared_by"] = sweep.card_shared_by()
     tags.update({f"knob.{k}": report.fmt(v) for k, v in row.params.items()})
     version = client.create_model_version(
         name, source, run_id=row.run_id, tags={k: str(v) for k, v in tags.items()}, description=description

@@ -139,6 +139,7 @@ class TrialRow:
     failure_message: str | None = None
     run_id: str | None = None
     because_of: int | None = None  # skipped: the trial whose outcome stands for this one
+    slot: str | None = None  # the engine's slot: "cuda0", "cuda0#2" (third of the trials sharing card 0), "cpu1"
 
 
 def classify(trial: FrozenTrial, margin: float) -> tuple[str, str]:
@@ -195,6 +196,16 @@ class Sweep:
 
     def counts(self) -> Counter[str]:
         return Counter(r.verdict for r in self.rows)
+
+    def card_shared_by(self) -> int:
+        """The most trials that ran on one card at once (`hydra.sweeper.slots_per_gpu`), from the slots the
+        trials ran on; 1 when each trial had its card to itself (or ran on a CPU)."""
+        copies: dict[str, set[str]] = {}
+        for r in self.rows:
+            if r.slot and r.slot.startswith("cuda") and "#" in r.slot:
+                card, copy = r.slot.split("#", 1)
+                copies.setdefault(card, set()).add(copy)
+        return max((len(c) for c in copies.values()), default=1)
 
     def varying_knobs(self) -> list[str]:
         """Knobs that took more than one value: the ones worth a column, an axis or a label."""
@@ -294,6 +305,7 @@ def load(
                 failure_message=a.get("failure.message"),
                 run_id=a.get("mlflow_run_id"),
                 because_of=int(origin) if origin is not None else None,
+                slot=a.get("sweep.slot"),
             )
         )
         if a.get("vram_budget_gib"):
@@ -580,7 +592,11 @@ def plot_throughput(sweep: Sweep, path: Path, limit: int = 40) -> None:
         ax.set_yticks(range(len(rows)), names, fontsize=8)
         ax.invert_yaxis()
         ax.bar_label(bars, [f"{s:,.0f}" for s in speeds], padding=3, fontsize=8)
-        ax.set_xlabel("tokens/s (non-padding, warm-up excluded)")
+        shared = sweep.card_shared_by()
+        ax.set_xlabel(
+            "tokens/s (non-padding, warm-up excluded)"
+            + (f"\nread with up to {shared} trials sharing a card: a ranking, not solo speeds" if shared > 1 else "")
+        )
         ax.margins(x=0.15)
         ax.grid(axis="x", alpha=0.3)
     ax.set_title(f"{sweep.name}: throughput of the settings that finished (amber: marginal)", fontsize=10)
@@ -597,6 +613,9 @@ def fmt(value: Any) -> str:
 
 
 # ---- the table and report.md -----------------------------------------------------------------------------------
+
+# Metrics a trial reads slower when other trials share its card (memory figures are each process's own).
+SPEED_METRICS = ("tokens_per_s", "samples_per_s", "step_time_s", "model_tflops_per_s")
 
 _FIGURES = (
     ("peak_vram_allocated_gib", "alloc GiB", "{:.2f}"),
@@ -623,7 +642,11 @@ def table(sweep: Sweep) -> Any:
     from rich.table import Table
 
     styles = {"stable": "green", "marginal": "yellow", "failed": "red", "skipped": "dim", "pruned": "dim"}
-    t = Table(title=f"{sweep.name}: {summary(sweep)}", title_justify="left")
+    shared = sweep.card_shared_by()
+    caption = (
+        f"tokens/s read with up to {shared} trials sharing a card: a ranking, not solo speeds" if shared > 1 else None
+    )
+    t = Table(title=f"{sweep.name}: {summary(sweep)}", title_justify="left", caption=caption, caption_justify="left")
     for h in _headers(sweep):
         t.add_column(h, justify="right" if h not in ("class", "detail") else "left")
     for row in sweep.rows:
@@ -652,6 +675,15 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
 def markdown(sweep: Sweep, imps: list[Importance], axes: tuple[str | None, str | None], memory_metric: str) -> str:
     objective, direction = sweep.objectives[0], sweep.directions[0]
     best = sweep.best()
+    shared = sweep.card_shared_by()
+    shared_note = (
+        f"Throughput here was read with up to {shared} trials sharing each card (`hydra.sweeper.slots_per_gpu`): "
+        "each ran slower than it would alone, by an amount that depends on what ran beside it, so these figures "
+        "rank settings roughly and are not speeds to quote. Run the settings you care about alone "
+        "(`python -m src.train` with the setting's overrides) before comparing them or quoting one."
+        if shared > 1
+        else ""
+    )
     out = [
         f"# Stability map: {sweep.name}",
         "",
@@ -666,7 +698,13 @@ def markdown(sweep: Sweep, imps: list[Importance], axes: tuple[str | None, str |
             f"Best stable setting by the study's objective ({objective}, {direction}): **trial {best.number}** "
             f"({', '.join(f'{k}={fmt(best.params[k])}' for k in sweep.knobs if k in best.params)}): "
             f"{m.get(objective, float('nan')):.4g} {objective}, peak reserved {m.get('peak_vram_reserved_gib', 0):.2f} GiB, "
-            f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}. Promote it: `python -m src.promote {sweep.name}`.",
+            f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}"
+            + (
+                f" ({objective} read on a card shared by up to {shared} trials: see Throughput)"
+                if shared > 1 and objective in SPEED_METRICS
+                else ""
+            )
+            + f". Promote it: `python -m src.promote {sweep.name}`.",
             "",
         ]
     else:
@@ -695,6 +733,7 @@ def markdown(sweep: Sweep, imps: list[Importance], axes: tuple[str | None, str |
         "",
         "![tokens per second](tokens_per_s.png)",
         "",
+        *([shared_note, ""] if shared_note else []),
         "## Which knobs matter",
         "",
     ]

@@ -342,6 +342,41 @@ def test_classes_from_headroom_retries_failures_and_repeats(tmp_path: Path) -> N
     assert "Dashed: the budget" in written.files[0].read_text()
 
 
+def test_throughput_read_on_a_shared_card_is_flagged_as_a_ranking(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path}/shared.db"
+    slots = ["cuda0#0", "cuda0#1", "cuda0#2", "cuda1#0"]  # three trials at once on card 0
+    _hand_made(
+        storage,
+        "shared",
+        [
+            _trial(None, n, reserved=10.0 + n, tokens_per_s=1000.0 * (n + 1), attrs={"sweep.slot": slot})
+            for n, slot in enumerate(slots)
+        ],
+    )
+    _hand_made(
+        storage,
+        "alone",
+        [_trial(None, n, reserved=10.0, tokens_per_s=1000.0, attrs={"sweep.slot": f"cuda{n}"}) for n in range(2)],
+    )
+    shared, alone = (report.load(n, tmp_path / "sweeps", storage=storage) for n in ("shared", "alone"))
+    assert (shared.card_shared_by(), alone.card_shared_by()) == (3, 1)
+
+    text = report.write(shared).files[0].read_text()
+    assert "up to 3 trials sharing each card" in text and "not speeds to quote" in text
+    best_line = next(line for line in text.splitlines() if line.startswith("Best stable setting"))
+    assert "tokens_per_s read on a card shared by up to 3 trials" in best_line
+    caption = report.table(shared).caption
+    assert caption and "3 trials sharing a card" in caption
+
+    header = promote.header(shared, promote.choose(shared), promote.Experiment(), "llama3-qlora", "1", [], False)
+    assert any("3 trials sharing a card: not solo" in line for line in header), "the production file says so too"
+
+    text = report.write(alone).files[0].read_text()
+    assert "sharing" not in text and report.table(alone).caption is None
+    header = promote.header(alone, promote.choose(alone), promote.Experiment(), "llama3-qlora", "1", [], False)
+    assert not any("sharing" in line for line in header)
+
+
 @pytest.mark.slow
 def test_unknown_study_lists_the_studies_that_exist(swept: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.setenv("QLORA_ROOT", str(swept))
