@@ -9,11 +9,12 @@ STUDY  ?= demo
 
 .PHONY: demo test ui lint clean
 
-# The CPU build of torch that lies on disk (the `cpu` extra pins it), never a multi-GB CUDA build.
+# The CPU build of torch that lies on disk (the `cpu` extra pins it), never a multi-GB CUDA build. Where the
+# package index would serve the CUDA build (plain PyPI on Linux): make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,dev]' --config-settings editable_mode=compat
+	$(PY) -m pip install -q -e '.[cpu,dev]' --config-settings editable_mode=compat $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	touch $@
 
 demo: $(VENV)/.installed

@@ -89,6 +89,22 @@ def distribution(override: Override) -> BaseDistribution | Any:
     raise ValueError(f"hydra.sweeper.params: cannot turn '{override.input_line}' into a search space")
 
 
+def outside_space(params: dict[str, Any], distributions: dict[str, BaseDistribution]) -> list[str]:
+    """'key=value (space)' for each of `params` the space holds but whose value it cannot take."""
+    outside = []
+    for key, value in params.items():
+        dist = distributions.get(key)
+        if dist is None:
+            continue  # not swept: Optuna ignores it
+        try:
+            inside = dist._contains(dist.to_internal_repr(value))
+        except (ValueError, TypeError):
+            inside = False
+        if not inside:
+            outside.append(f"{key}={value} ({dist})")
+    return outside
+
+
 def format_value(value: Any) -> str:
     """A Python value as Hydra override text."""
     if isinstance(value, bool):
@@ -564,8 +580,19 @@ class SweepEngine:
             )
 
     def enqueue(self, study: optuna.Study) -> None:
-        for params in self.sweeper.enqueue_trials or []:
+        for i, params in enumerate(self.sweeper.enqueue_trials or []):
             params = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else dict(params)
+            outside = outside_space(params, self.distributions)
+            if outside:
+                # Optuna would fail the ask for it (a categorical value not among the choices) and leave a
+                # trial RUNNING that no worker owns: the seed's settings may well lie outside a user's space.
+                log.warning(
+                    "hydra.sweeper.enqueue_trials[%d] not queued: %s outside this sweep's space (add the value to "
+                    "the space to place that setting on the map; hydra.sweeper.enqueue_trials=[] silences this)",
+                    i,
+                    "; ".join(outside),
+                )
+                continue
             study.enqueue_trial(params, skip_if_exists=True)
 
     def worker(self, study: optuna.Study, slot: Slot) -> None:

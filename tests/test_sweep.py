@@ -205,6 +205,36 @@ def test_sampler_learns_to_avoid_the_oom_region(root: Path, monkeypatch: pytest.
     assert memory({k: best.params[k] for k in SPACE}) <= budget
 
 
+def test_seed_settings_outside_the_users_space_are_not_queued_and_the_sweep_finishes(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default enqueue_trials holds the seed's lora.r=16; a space of choice(4,8) cannot take it. Optuna
+    would fail the ask and leave a RUNNING trial no worker owns, and the sweep would wait for it for ever."""
+
+    def fake_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        return Outcome("ok", metrics={"tokens_per_s": 100.0, "peak_vram_reserved_gib": 8.0})
+
+    monkeypatch.setattr("src.sweep.run_process", fake_process)
+    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    cfg = compose_cfg(
+        [
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.study_name=outside",
+            "hydra.sweeper.n_trials=3",
+            "hydra.sweeper.cpu_slots=1",
+            "hydra.sweeper.progress=false",
+            "trainer.output_dir=/tmp/unused",
+        ]
+    )
+    assert cfg.hydra.sweeper.enqueue_trials[0]["lora.r"] == 16, "the seed's own rank is queued by default"
+    with caplog.at_level("WARNING", logger="src.sweep"):
+        SweepEngine(cfg, ["lora.r=choice(4,8)", "data.max_seq_length=choice(512,1024)"]).run()
+    trials = _study(root, "outside").get_trials()
+    assert len(trials) == 3 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert {t.params["lora.r"] for t in trials} <= {4, 8}
+    assert "hydra.sweeper.enqueue_trials[0] not queued: lora.r=16" in caplog.text
+
+
 def test_certain_oom_follows_memory_monotone_knobs(root: Path) -> None:
     """A proposal is skipped as a certain OOM only when it needs at least an OOM setting's memory on every knob:
     larger on `increasing` ones, equal on undeclared ones, whatever it is on `neutral` ones (accumulation,

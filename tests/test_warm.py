@@ -59,3 +59,17 @@ def test_the_preload_imports_the_stack_without_a_cuda_context() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_DIR, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == f"{sorted(warm.STACK)} False"
+
+
+def test_a_preload_that_leaves_children_unable_to_use_cuda_makes_trials_start_fresh(tmp_path) -> None:
+    # What initializing CUDA in the forkserver does to its children, where no GPU can show it: torch reports the
+    # child as forked from a process with a CUDA context. The probe child must see it, and the engine falls back.
+    (tmp_path / "cuda_before_fork.py").write_text("import torch\ntorch.cuda._is_in_bad_fork = lambda: True\n")
+    code = "from src import launcher; print('context:', launcher.forkserver(['torch', 'cuda_before_fork']))"
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_DIR}"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=PROJECT_DIR, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "context: None"
+    assert "cannot use CUDA" in done.stderr and "fresh interpreters" in done.stderr
