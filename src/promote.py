@@ -273,7 +273,8 @@ def header(
         lines.append(
             f"pinned:     {', '.join(exp.pinned)} (today's conf/ composes them otherwise: pinned to the measured values)"
         )
-    return lines
+    # The file is meant to be committed: a storage URL or an argument may carry a password.
+    return [tracking.redact_text(line) for line in lines]
 
 
 # ---- the registry -------------------------------------------------------------------------------------------------
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         row = choose(sweep, args.trial)
         exp = plan(sweep, row)
     except (report.StudyNotFound, NotPromotable) as exc:
-        print(f"nothing promoted: {exc}", file=sys.stderr)
+        print(f"nothing promoted: {tracking.redact_text(str(exc))}", file=sys.stderr)
         return 1
     if not row.run_id:
         print(f"nothing promoted: trial {row.number} names no MLflow run", file=sys.stderr)

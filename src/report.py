@@ -673,6 +673,12 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def markdown(sweep: Sweep, imps: list[Importance], axes: tuple[str | None, str | None], memory_metric: str) -> str:
+    """report.md, with every credential redacted (it names the storage, quotes failure messages, and is
+    uploaded to MLflow as an artifact)."""
+    return tracking.redact_text(_markdown(sweep, imps, axes, memory_metric))
+
+
+def _markdown(sweep: Sweep, imps: list[Importance], axes: tuple[str | None, str | None], memory_metric: str) -> str:
     objective, direction = sweep.objectives[0], sweep.directions[0]
     best = sweep.best()
     shared = sweep.card_shared_by()
@@ -827,7 +833,8 @@ def log_to_mlflow(report: Report, tracking_uri: str) -> str | None:
     try:
         client.get_run(sweep.parent_run_id)
     except Exception as exc:  # noqa: BLE001 - the files on disk are the report; MLflow is a copy
-        print(f"warning: parent run {sweep.parent_run_id} not found in {tracking_uri} ({exc})", file=sys.stderr)
+        where = tracking.redact_text(f"{tracking_uri} ({exc})")
+        print(f"warning: parent run {sweep.parent_run_id} not found in {where}", file=sys.stderr)
         return None
     for path in report.files:
         client.log_artifact(sweep.parent_run_id, str(path), "report")
@@ -871,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sweep = load(args.study, where.sweeps_dir, args.storage, args.margin, where.tracking_uri)
     except StudyNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {tracking.redact_text(str(exc))}", file=sys.stderr)
         return 2
     report = write(sweep)
     if not args.no_mlflow:

@@ -622,7 +622,8 @@ class SweepEngine:
                 if self.storage.get_trial(trial._trial_id).state.is_finished():
                     continue  # another worker took it for dead and failed it meanwhile
                 self.storage.set_trial_user_attr(trial._trial_id, "failure.kind", "other")
-                self.storage.set_trial_user_attr(trial._trial_id, "failure.message", first_line(str(exc)))
+                message = tracking.redact_text(first_line(str(exc)))
+                self.storage.set_trial_user_attr(trial._trial_id, "failure.message", message)
                 _tell(study, trial, state=TrialState.FAIL)
 
     def run_trial(self, study: optuna.Study, trial: optuna.Trial, slot: Slot) -> None:
@@ -879,7 +880,12 @@ def _as_list(value: Any) -> list[str]:
 def _attrs(failure: dict[str, Any] | None) -> dict[str, Any]:
     if not failure:
         return {}
-    return {f"failure.{k}": v for k, v in failure.items() if v is not None}
+    # What a failed process printed may quote a credential (a storage URL in a traceback): the study keeps none.
+    return {
+        f"failure.{k}": tracking.redact_text(v) if isinstance(v, str) else v
+        for k, v in failure.items()
+        if v is not None
+    }
 
 
 def _create_time(pid: int) -> float | None:

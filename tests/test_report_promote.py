@@ -5,6 +5,7 @@ timeouts, skipped repeats) and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -386,3 +387,19 @@ def test_unknown_study_lists_the_studies_that_exist(swept: Path, monkeypatch: py
     assert report.main(["no-such-study", "--no-mlflow"]) == 2
     err = capsys.readouterr().err
     assert "no study 'no-such-study'" in err and f"studies there (latest first): {STUDY}" in err
+
+
+def test_a_storage_password_reaches_neither_the_report_nor_the_production_file(tmp_path: Path) -> None:
+    password = "hunter2-" + tmp_path.name  # unique per run
+    url = f"postgresql://sweeper:{password}@db-host:5432/optuna"
+    storage = f"sqlite:///{tmp_path}/secret.db"
+    failed = {**_trial("other", 1), "kind": "other"}
+    _hand_made(storage, "secret", [_trial(None, 0, reserved=10.0, tokens_per_s=1000.0), failed])
+    sweep = dataclasses.replace(report.load("secret", tmp_path / "sweeps", storage=storage), storage=url)
+    sweep.rows[1].failure_message = f"could not connect to {url}"  # as a failed trial's traceback may say
+
+    text = report.write(sweep).files[0].read_text()
+    assert "could not connect to postgresql://" in text and "db-host" in text, "the message and storage are shown"
+    assert password not in text
+    lines = promote.header(sweep, promote.choose(sweep), promote.Experiment(), "m", "1", ["--storage", url], False)
+    assert any("db-host" in line for line in lines) and not any(password in line for line in lines)
