@@ -161,6 +161,29 @@ def check_config(cfg: DictConfig, report: Report) -> None:
     from src.faults import FAULT_KINDS
     from src.models import context_length
 
+    for key, value in (
+        ("data.max_seq_length", cfg.data.max_seq_length),
+        ("trainer.per_device_train_batch_size", cfg.trainer.per_device_train_batch_size),
+        ("trainer.gradient_accumulation_steps", cfg.trainer.gradient_accumulation_steps),
+        ("lora.r", cfg.lora.r),
+    ):
+        if value < 1:
+            report.add("positive", "error", f"{key}={value}: must be at least 1")
+    if not cfg.hardware.vram_budget_gib > 0:
+        report.add(
+            "vram_budget",
+            "error",
+            f"hardware.vram_budget_gib={cfg.hardware.vram_budget_gib}: the card's memory in GiB, e.g. 24",
+        )
+    if 0 < cfg.trainer.max_steps <= cfg.measure.warmup_steps:
+        # A warning: a two-step smoke test is fine alone; in a sweep the trial gets no throughput to tell Optuna.
+        report.add(
+            "measured_steps",
+            "warning",
+            f"trainer.max_steps={cfg.trainer.max_steps} leaves no step to measure: the first "
+            f"measure.warmup_steps={cfg.measure.warmup_steps} are left out of tokens/s and step time, so the trial "
+            "records no throughput; raise trainer.max_steps or lower measure.warmup_steps",
+        )
     context = context_length(cfg)
     if context and cfg.data.max_seq_length > context:
         report.add(
@@ -280,14 +303,8 @@ def _check_parallelism(cfg: DictConfig, report: Report) -> None:
             "data_parallel and remove model.device_map (one copy per GPU), or set hardware.parallelism="
             "model_parallel and launch one process (python -m src.train, not torchrun) to split the model",
         )
-    elif parallelism == "data_parallel" and world == 1:
-        report.add(
-            "parallelism",
-            "warning",
-            "hardware.parallelism=data_parallel, but this process is not part of a distributed launch "
-            "(WORLD_SIZE unset): it trains on one GPU. Launch it with torchrun --nproc-per-node=<GPUs>, "
-            "or set hardware.parallelism=single",
-        )
+    # data_parallel with WORLD_SIZE unset is the trial's parent, which launches the ranks itself
+    # (trial.run_data_parallel through torch.distributed.run): nothing to warn about.
     elif parallelism == "single" and torch.cuda.is_available() and torch.cuda.device_count() > 1:
         report.add(
             "parallelism",

@@ -144,7 +144,15 @@ class Slot:
 
 
 def discover_slots(sweeper: DictConfig) -> list[Slot]:
+    for key in ("gpus_per_trial", "slots_per_gpu", "cpu_slots"):
+        if int(sweeper[key]) < 1:
+            raise ValueError(f"hydra.sweeper.{key}={sweeper[key]}: must be at least 1")
     devices = list(sweeper.devices) if sweeper.devices is not None else _visible_gpus()
+    if devices and sweeper.gpus_per_trial > len(devices):
+        raise ValueError(
+            f"hydra.sweeper.gpus_per_trial={sweeper.gpus_per_trial} but this machine shows {len(devices)} GPU(s) "
+            f"({devices}); lower gpus_per_trial or set hydra.sweeper.devices"
+        )
     if not devices:
         threads = str(max(1, (os.cpu_count() or 1) // max(1, sweeper.cpu_slots)))
         return [Slot(f"cpu{i}", {"OMP_NUM_THREADS": threads}) for i in range(sweeper.cpu_slots)]
@@ -450,6 +458,10 @@ class SweepEngine:
             {
                 "sweep.search_space": json.dumps({k: repr(v) for k, v in self.distributions.items()}),
                 "sweep.objectives": json.dumps(dict(zip(self.objectives, self.directions, strict=True))),
+                # What the report and the promotion must know of how trials ran (a probe's length is not
+                # carried into production), command-line overrides included: trials never see hydra.sweeper.
+                "sweep.headroom_margin": json.dumps(float(self.sweeper.headroom_margin)),
+                "sweep.trial_overrides": json.dumps([str(o) for o in self.sweeper.trial_overrides]),
                 "sweep.storage": self.storage_url(),
                 "sweep.n_trials": self.sweeper.n_trials,
                 "vram_budget_gib": self.budget,
@@ -523,12 +535,12 @@ class SweepEngine:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         # Heartbeats are recorded by our own watch loop, not Study.optimize's thread: that is intended.
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+        slots = discover_slots(self.sweeper)  # refuses impossible slot settings before anything is recorded
         study = self.open_study()
         with self.ask_lock():  # workers starting at once: one parent run, one copy of each enqueued trial
             self.open_parent(study)
             self.recover(study)
             self.enqueue(study)
-        slots = discover_slots(self.sweeper)
         self.prepare(slots[0])
         n_workers = min(len(slots), self.sweeper.n_jobs or len(slots))
         self.refresh_counts(study)
@@ -624,11 +636,20 @@ class SweepEngine:
                 self.storage.set_trial_user_attr(trial._trial_id, "failure.kind", "other")
                 message = tracking.redact_text(first_line(str(exc)))
                 self.storage.set_trial_user_attr(trial._trial_id, "failure.message", message)
+                run_id = self.storage.get_trial(trial._trial_id).user_attrs.get("mlflow_run_id")
+                try:
+                    if run_id and self.client.get_run(run_id).info.status == "RUNNING":
+                        tracking.close_failed(self.client, run_id, {"kind": "other", "message": message})
+                except Exception:  # noqa: BLE001 - MLflow itself may be the trouble; the study has the record
+                    log.warning("trial %d: its MLflow run %s could not be closed", trial.number, run_id)
                 _tell(study, trial, state=TrialState.FAIL)
 
     def run_trial(self, study: optuna.Study, trial: optuna.Trial, slot: Slot) -> None:
-        # A custom space's own suggestions stay in Optuna; what it returns is what the trial gets.
-        extra = (self.custom(self.config, trial) or {}) if self.custom else {}
+        # A custom space returns the overrides its suggestions stand for (its suggestions may be labels, as in
+        # tests/sweep_scenarios.py); one that returns None, as hydra-optuna-sweeper's do, gets its suggestions.
+        extra = self.custom(self.config, trial) if self.custom else {}
+        if extra is None:
+            extra = {k: v for k, v in trial.params.items() if k not in self.distributions}
         params = {**{k: v for k, v in trial.params.items() if k in self.distributions}, **extra}
         run_id = self.child_run(trial, slot)
         trial.set_user_attr("mlflow_run_id", run_id)

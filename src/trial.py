@@ -270,6 +270,12 @@ class _NoTracking:
 def run_rank(cfg: DictConfig, out_dir: Path) -> NoReturn:
     """One rank of a data-parallel trial: train, leave the outcome in rank<N>/result.json, and exit (0: ok)."""
     rank = int(os.environ["RANK"])
+    import torch
+
+    if torch.cuda.is_available():
+        # torch.distributed.run shows every rank all the cards: each takes its own before anything touches CUDA
+        # (the model's device_map, the budget cap and the NVML sampler all use the current device).
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     rank_dir = out_dir / f"rank{rank}"
     rank_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"client": _NoTracking(), "run_id": "", "rank_dir": rank_dir}

@@ -22,3 +22,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 def fault_scenarios(cfg: Any, trial: Any) -> dict[str, Any]:
     return SCENARIOS[trial.suggest_categorical("scenario", list(SCENARIOS))]
+
+
+def rank_follows_length(cfg: Any, trial: Any) -> None:
+    """hydra-optuna-sweeper's style: suggest, return nothing; the suggestions are the overrides."""
+    if trial.suggest_categorical("data.max_seq_length", [512, 2048]) > 1024:
+        trial.suggest_categorical("lora.r", [8, 16])  # long rows: only the rank varies
+    else:
+        trial.suggest_categorical("trainer.per_device_train_batch_size", [4, 8])  # short rows: the batch

@@ -167,6 +167,28 @@ def test_device_map_across_gpus_with_data_parallel_is_refused(root: Path, monkey
     assert "model.device_map=auto" in message and "remove model.device_map" in message
 
 
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("trainer.per_device_train_batch_size=0", "trainer.per_device_train_batch_size=0: must be at least 1"),
+        ("trainer.gradient_accumulation_steps=-1", "trainer.gradient_accumulation_steps=-1: must be at least 1"),
+        ("lora.r=0", "lora.r=0: must be at least 1"),
+        ("data.max_seq_length=0", "data.max_seq_length=0: must be at least 1"),
+        ("hardware.vram_budget_gib=0", "hardware.vram_budget_gib=0"),
+    ],
+)
+def test_sizes_that_cannot_train_are_refused_by_name(override: str, expected: str, root: Path) -> None:
+    assert expected in _refusal([override])
+
+
+def test_a_run_too_short_to_measure_is_warned_about(root: Path) -> None:
+    report = preflight.run(compose_cfg(["trainer=probe", "trainer.max_steps=2", "measure.warmup_steps=2"]), data=False)
+    (finding,) = [f for f in report.findings if f.check == "measured_steps"]
+    assert finding.severity == "warning" and "raise trainer.max_steps or lower measure.warmup_steps" in finding.message
+    report = preflight.run(compose_cfg(["trainer=probe", "trainer.max_steps=3", "measure.warmup_steps=2"]), data=False)
+    assert not [f for f in report.findings if f.check == "measured_steps"]
+
+
 def test_padding_free_without_packing_is_refused_and_packing_accepted(root: Path) -> None:
     message = _refusal(["trainer.padding_free=true", "trainer.per_device_train_batch_size=4"])
     assert "trainer.padding_free=true without packing" in message and "Set trainer.packing=true" in message
@@ -210,11 +232,11 @@ def test_liger_kernel_without_the_package_is_refused(root: Path, monkeypatch: py
     assert "liger-kernel package is not installed" in message and "trainer.use_liger_kernel=false" in message
 
 
-def test_data_parallel_without_a_distributed_launch_warns(root: Path) -> None:
+def test_a_data_parallel_trial_s_parent_is_not_warned_that_it_was_not_launched_by_torchrun(root: Path) -> None:
+    # The parent (WORLD_SIZE unset) launches the ranks itself; a warning there refused every data-parallel
+    # trial under preflight.fail_on_warnings=true.
     report = preflight.run(compose_cfg(["hardware.parallelism=data_parallel"]), data=False)
-    (finding,) = [f for f in report.findings if f.check == "parallelism"]
-    assert finding.severity == "warning"
-    assert "torchrun --nproc-per-node" in finding.message and "hardware.parallelism=single" in finding.message
+    assert not [f for f in report.findings if f.check == "parallelism"]
 
 
 def test_moving_a_4bit_model_is_refused_and_training_still_runs(root: Path) -> None:

@@ -4,6 +4,7 @@ a SIGKILLed sweep resumes to exactly n_trials; the sampler learns to stay out of
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -235,6 +236,93 @@ def test_seed_settings_outside_the_users_space_are_not_queued_and_the_sweep_fini
     assert "hydra.sweeper.enqueue_trials[0] not queued: lora.r=16" in caplog.text
 
 
+def test_the_report_knows_the_probe_and_margin_the_sweep_ran_with(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trials never see hydra.sweeper.*: the engine's parent run is where the report and the promotion learn
+    the probe length (never carried into production) and the margin given on the command line."""
+    from src import report
+
+    def fake_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        return Outcome("ok", metrics={"tokens_per_s": 100.0, "peak_vram_reserved_gib": 20.0, "vram_budget_gib": 24.0})
+
+    monkeypatch.setattr("src.sweep.run_process", fake_process)
+    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    cfg = compose_cfg(
+        [
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.study_name=probe6",
+            "hydra.sweeper.n_trials=1",
+            "hydra.sweeper.cpu_slots=1",
+            "hydra.sweeper.progress=false",
+            "hydra.sweeper.enqueue_trials=[]",
+            "hydra.sweeper.trial_overrides=['trainer.max_steps=6','trainer.warmup_steps=0']",
+            "hydra.sweeper.headroom_margin=0.2",
+            "trainer.output_dir=/tmp/unused",
+        ]
+    )
+    SweepEngine(cfg, ["lora.r=choice(8)"]).run()
+    sweep = report.load("probe6", root / "sweeps", tracking_uri=str(cfg.tracking.uri))
+    assert sweep.probe_overrides == ["trainer.max_steps=6", "trainer.warmup_steps=0"]
+    assert sweep.margin == pytest.approx(0.2)
+    assert sweep.rows[0].verdict == "marginal", "4 GiB left of 24 is under the sweep's 20% margin"
+
+
+def test_a_custom_space_that_returns_nothing_gets_its_suggestions(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict] = []
+
+    def fake_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        seen.append(dict(o.split("=", 1) for o in overrides))
+        return Outcome("ok", metrics={"tokens_per_s": 100.0, "peak_vram_reserved_gib": 8.0})
+
+    monkeypatch.setattr("src.sweep.run_process", fake_process)
+    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    cfg = compose_cfg(
+        [
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.study_name=custom-none",
+            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.cpu_slots=1",
+            "hydra.sweeper.progress=false",
+            "hydra.sweeper.enqueue_trials=[]",
+            "hydra.sweeper.skip_duplicates=false",
+            "hydra.sweeper.custom_search_space=tests.sweep_scenarios.rank_follows_length",
+            "trainer.output_dir=/tmp/unused",
+        ]
+    )
+    SweepEngine(cfg, []).run()
+    assert len(seen) == 4
+    for overrides in seen:
+        long_rows = overrides["data.max_seq_length"] == "2048"
+        assert ("lora.r" in overrides, "trainer.per_device_train_batch_size" in overrides) == (long_rows, not long_rows)
+
+
+def test_an_engine_error_fails_the_trial_and_closes_its_mlflow_run(
+    root: Path, monkeypatch: pytest.MonkeyPatch, mlflow_client
+) -> None:
+    def broken_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        raise RuntimeError("disk full while writing the trial's command")
+
+    monkeypatch.setattr("src.sweep.run_process", broken_process)
+    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    cfg = compose_cfg(
+        [
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.study_name=engine-error",
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.cpu_slots=1",
+            "hydra.sweeper.progress=false",
+            "hydra.sweeper.enqueue_trials=[]",
+            "trainer.output_dir=/tmp/unused",
+        ]
+    )
+    SweepEngine(cfg, ["lora.r=choice(8,16)"]).run()
+    trials = _study(root, "engine-error").get_trials()
+    assert len(trials) == 2 and all(t.state == TrialState.FAIL for t in trials), "the sweep went on"
+    assert {t.user_attrs["failure.message"] for t in trials} == {"disk full while writing the trial's command"}
+    children = [r for r in _runs(mlflow_client, "engine-error") if r.data.tags.get("sweep.role") != "parent"]
+    assert len(children) == 2 and {r.info.status for r in children} == {"FAILED"}
+    assert {r.data.tags.get("failure.kind") for r in children} == {"other"}
+
+
 def test_certain_oom_follows_memory_monotone_knobs(root: Path) -> None:
     """A proposal is skipped as a certain OOM only when it needs at least an OOM setting's memory on every knob:
     larger on `increasing` ones, equal on undeclared ones, whatever it is on `neutral` ones (accumulation,
@@ -315,3 +403,21 @@ def test_trials_sharing_a_gpu_machine_share_its_cores(monkeypatch: pytest.Monkey
     assert {s.env["OMP_NUM_THREADS"] for s in slots} == {"2"}, "16 cores over 6 trials at once"
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's own setting wins
     assert {s.env["OMP_NUM_THREADS"] for s in discover_slots(sweeper)} == {"4"}
+
+
+@pytest.mark.parametrize(
+    "slots,message",
+    [
+        ({"slots_per_gpu": 0}, "hydra.sweeper.slots_per_gpu=0: must be at least 1"),
+        ({"cpu_slots": 0, "devices": []}, "hydra.sweeper.cpu_slots=0: must be at least 1"),
+        ({"gpus_per_trial": 3}, "hydra.sweeper.gpus_per_trial=3 but this machine shows 2 GPU(s)"),
+    ],
+)
+def test_impossible_slot_settings_are_refused_before_the_sweep_records_anything(
+    root: Path, slots: dict, message: str
+) -> None:
+    overrides = [f"hydra.sweeper.{k}={v}" for k, v in {"devices": [0, 1], **slots}.items()]
+    cfg = compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.study_name=slots", *overrides])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SweepEngine(cfg, []).run()
+    assert not (root / "sweeps" / "slots").exists() and not (root / "mlruns" / "mlflow.db").exists()
