@@ -8,6 +8,7 @@ Each test starts what it needs itself (tests/services.py) on 127.0.0.1 and stops
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import subprocess
@@ -549,6 +550,7 @@ def test_scale_out_figures(
             started = time.time()
             e.run()
             per_trial[label] = (time.time() - started) / n
+        latency_trials = n
         base = per_trial["sqlite + mlruns/"]
         print(f"\nrecording per trial ({n} trials, training left out), on 2 cores:")
         for label, seconds in per_trial.items():
@@ -606,3 +608,28 @@ def test_scale_out_figures(
     print("six real trials (tiny Llama, 4 steps) on 2 cores (CPU-bound: two workers share the same two cores):")
     for label, seconds in real.items():
         print(f"  {label:44s} {seconds:5.0f} s")
+    out = os.environ["QLORA_SCALE_OUT_FIGURES"]
+    if out.endswith(".json"):  # QLORA_SCALE_OUT_FIGURES=benchmarks/results/scale_out_cpu.json: the figures on file
+        import platform
+
+        import mlflow
+
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "command": f"QLORA_SCALE_OUT_FIGURES={out} pytest -s -k figures tests/test_scale_out.py",
+                    "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                    "versions": {"optuna": optuna.__version__, "mlflow": mlflow.__version__},
+                    "recording_per_trial_ms": {k: round(v * 1000, 1) for k, v in per_trial.items()},
+                    "recording_note": f"{latency_trials} trials per backend; what the engine and a trial send, training left out",
+                    "gpu_like_trials": {
+                        "trials": n,
+                        "each_s": sleep_s,
+                        "wall_s": {f"{k} worker(s)": round(v, 1) for k, v in walls.items()},
+                    },
+                    "real_cpu_trials_wall_s": {k: round(v, 1) for k, v in real.items()},
+                },
+                indent=2,
+            )
+            + "\n"
+        )
