@@ -74,7 +74,9 @@ def distribution(override: Override) -> BaseDistribution | Any:
         return override.value()
     value = override.value()
     if override.is_choice_sweep():
-        choices = [c if isinstance(c, str | int | float | bool) or c is None else str(c) for c in value.list]
+        # A list or dict choice (model.sdpa_backends=choice([flash,efficient],[math])) is kept as its Hydra text,
+        # which Optuna can store and format_value passes through as a literal.
+        choices = [c if isinstance(c, str | int | float | bool) or c is None else _hydra_literal(c) for c in value.list]
         return CategoricalDistribution(choices)
     if override.is_range_sweep():
         ints = all(isinstance(x, int) for x in (value.start, value.stop, value.step))
@@ -105,12 +107,23 @@ def outside_space(params: dict[str, Any], distributions: dict[str, BaseDistribut
     return outside
 
 
+def _hydra_literal(value: Any) -> str:
+    """A list or dict from Hydra's override parser back as override text: [flash,efficient], {a:1}."""
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_hydra_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_hydra_literal(v)}" for k, v in value.items()) + "}"
+    return format_value(value)
+
+
 def format_value(value: Any) -> str:
     """A Python value as Hydra override text."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
         return "null"
+    if isinstance(value, str) and value[:1] + value[-1:] in ("[]", "{}"):
+        return value  # a list or dict choice, kept as its Hydra text (see distribution)
     if isinstance(value, str):
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return str(value)

@@ -323,6 +323,31 @@ def test_an_engine_error_fails_the_trial_and_closes_its_mlflow_run(
     assert {r.data.tags.get("failure.kind") for r in children} == {"other"}
 
 
+def test_a_knob_whose_choices_are_lists_reaches_the_trial_as_lists(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    composed: list = []
+
+    def fake_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        composed.append(list(compose_cfg(overrides).model.sdpa_backends))  # as the trial composes them
+        return Outcome("ok", metrics={"tokens_per_s": 100.0, "peak_vram_reserved_gib": 8.0})
+
+    monkeypatch.setattr("src.sweep.run_process", fake_process)
+    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    cfg = compose_cfg(
+        [
+            "hydra/sweeper=optuna",
+            "hydra/sweeper/sampler=grid",
+            "hydra.sweeper.study_name=lists",
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.cpu_slots=1",
+            "hydra.sweeper.progress=false",
+            "hydra.sweeper.enqueue_trials=[]",
+            "trainer.output_dir=/tmp/unused",
+        ]
+    )
+    SweepEngine(cfg, ["model.sdpa_backends=choice([flash,efficient],[math])"]).run()
+    assert sorted(composed) == [["flash", "efficient"], ["math"]]
+
+
 def test_certain_oom_follows_memory_monotone_knobs(root: Path) -> None:
     """A proposal is skipped as a certain OOM only when it needs at least an OOM setting's memory on every knob:
     larger on `increasing` ones, equal on undeclared ones, whatever it is on `neutral` ones (accumulation,
