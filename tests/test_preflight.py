@@ -37,6 +37,10 @@ def _write(rows: list[tuple[str | None, str | None]], path: Path) -> Path:
     df = pd.DataFrame(rows, columns=["Sentence", "Description"])
     if path.suffix == ".xlsx":
         df.to_excel(path, index=False)
+    elif path.suffix == ".jsonl":
+        df.to_json(path, orient="records", lines=True)
+    elif path.suffix == ".parquet":
+        df.to_parquet(path, index=False)
     else:
         df.to_csv(path, index=False)
     return path
@@ -61,7 +65,7 @@ def _by_check(report: preflight.Report) -> dict[str, preflight.Finding]:
 # ---- data lint -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("suffix", [".xlsx", ".csv"])
+@pytest.mark.parametrize("suffix", [".xlsx", ".csv", ".jsonl", ".parquet"])
 def test_each_data_defect_is_found_and_counted_with_sheet_rows(suffix: str, root: Path) -> None:
     clean = _clean_rows()
     rows = [
