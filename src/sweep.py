@@ -255,6 +255,11 @@ def run_process(
             stalled = progress.get("phase") == "training" and now - progress.get("time", now) > sweeper.stall_timeout_s
             if now - started > sweeper.trial_timeout_s or stalled:
                 timed_out = True
+                why = (
+                    f"{sweeper.stall_timeout_s:g}s without a step"
+                    if stalled
+                    else (f"hydra.sweeper.trial_timeout_s={sweeper.trial_timeout_s:g}")
+                )
                 stop_process_group(proc)
     how = "forkserver" if ctx is not None else "interpreter"
     result = _read_json(log_dir / RESULT_FILE)
@@ -272,9 +277,7 @@ def run_process(
     kind = classify_exit(proc.returncode, stderr, timed_out=timed_out)
     step = progress.get("step", 0) + 1 if progress.get("phase") == "training" else None
     if timed_out:
-        message = f"killed by the watchdog after {time.time() - started:.0f}s" + (
-            f" ({sweeper.stall_timeout_s:g}s without a step)" if progress.get("phase") == "training" else ""
-        )
+        message = f"killed by the watchdog after {time.time() - started:.0f}s ({why})"
     else:
         sig = -proc.returncode if proc.returncode < 0 else None
         message = first_line(_last_error_line(stderr)) or (

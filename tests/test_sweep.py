@@ -446,3 +446,23 @@ def test_impossible_slot_settings_are_refused_before_the_sweep_records_anything(
     with pytest.raises(ValueError, match=re.escape(message)):
         SweepEngine(cfg, []).run()
     assert not (root / "sweeps" / "slots").exists() and not (root / "mlruns" / "mlflow.db").exists()
+
+
+@pytest.mark.slow
+def test_a_trial_past_its_time_limit_is_killed_as_a_timeout_even_while_it_makes_steps(root: Path) -> None:
+    """trial_timeout_s is the whole trial's limit, apart from the stall watchdog (stall_timeout_s, set far
+    beyond it here): a hung trial is killed with its process group and classified as a timeout."""
+    from omegaconf import OmegaConf
+
+    from src.sweep import run_process
+
+    sweeper = OmegaConf.create(
+        {"trial_timeout_s": 25, "stall_timeout_s": 3600, "heartbeat_interval_s": 10, "preload": False}
+    )
+    overrides = ["model=tiny_llama", "trainer=probe", "fault=hang", "fault.step=1", "measure.profile_attention=false"]
+    started = time.time()
+    outcome = run_process(overrides, root / "trial", {"QLORA_ROOT": str(root)}, sweeper)
+    assert outcome.status == "failed" and outcome.failure["kind"] == "timeout", outcome.failure
+    assert outcome.failure["message"].startswith("killed by the watchdog after")
+    assert outcome.failure["message"].endswith("(hydra.sweeper.trial_timeout_s=25)"), "the time limit, not the stall"
+    assert 25 <= time.time() - started < 90
