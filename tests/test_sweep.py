@@ -466,3 +466,49 @@ def test_a_trial_past_its_time_limit_is_killed_as_a_timeout_even_while_it_makes_
     assert outcome.failure["message"].startswith("killed by the watchdog after")
     assert outcome.failure["message"].endswith("(hydra.sweeper.trial_timeout_s=25)"), "the time limit, not the stall"
     assert 25 <= time.time() - started < 90
+
+
+def test_a_two_objective_sweep_tells_optuna_both_and_ooms_the_worst_of_each(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from src import report
+
+    def fake_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        seq = int(dict(o.split("=", 1) for o in overrides)["data.max_seq_length"])
+        if seq == 4096:
+            return Outcome(
+                "failed",
+                metrics={"peak_vram_reserved_gib": 23.4, "oom_request_gib": 4.0},
+                failure={"kind": "oom", "message": "CUDA out of memory", "step": 1},
+            )
+        return Outcome("ok", metrics={"tokens_per_s": seq / 2.0, "peak_vram_reserved_gib": 6.0 + seq / 256})
+
+    monkeypatch.setattr("src.sweep.run_process", fake_process)
+    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    cfg = compose_cfg(
+        [
+            "hydra/sweeper=optuna",
+            "hydra/sweeper/sampler=nsgaii",
+            "hydra.sweeper.study_name=pareto",
+            "hydra.sweeper.n_trials=6",
+            "hydra.sweeper.cpu_slots=1",
+            "hydra.sweeper.progress=false",
+            "hydra.sweeper.enqueue_trials=[]",
+            "hydra.sweeper.objectives=[tokens_per_s,peak_vram_reserved_gib]",
+            "hydra.sweeper.direction=[maximize,minimize]",
+            "trainer.output_dir=/tmp/unused",
+        ]
+    )
+    SweepEngine(cfg, ["data.max_seq_length=choice(512,1024,4096)"]).run()
+    study = _study(root, "pareto")
+    assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
+    trials = [t for t in study.get_trials() if t.user_attrs.get("trial.status") != "skipped"]
+    assert trials and all(t.state == TrialState.COMPLETE and len(t.values) == 2 for t in trials)
+    for t in trials:
+        seq = t.params["data.max_seq_length"]
+        expected = [0.0, 23.4] if seq == 4096 else [seq / 2.0, 6.0 + seq / 256]  # an OOM: no speed, its memory
+        assert t.values == pytest.approx(expected), (seq, t.values)
+    front = {t.params["data.max_seq_length"] for t in study.best_trials}
+    assert 4096 not in front, "an OOM is infeasible: never on the Pareto front"
+    sweep = report.load("pareto", root / "sweeps", tracking_uri=str(cfg.tracking.uri))
+    assert sweep.objectives == ["tokens_per_s", "peak_vram_reserved_gib"]
