@@ -19,6 +19,19 @@ from src.config import PROJECT_DIR, register_configs
 CONF = PROJECT_DIR / "conf"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _mlflow_init_locks() -> Iterator[None]:
+    """MLflow leaves a lock file in the temp dir for every SQLite store it initializes
+    (`db_init_lock-<hash of the URL>`); each test's store has its own URL. Remove the ones this session made."""
+    import tempfile
+
+    pattern = "db_init_lock-*"
+    before = set(Path(tempfile.gettempdir()).glob(pattern))
+    yield
+    for lock in set(Path(tempfile.gettempdir()).glob(pattern)) - before:
+        lock.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
