@@ -343,8 +343,9 @@ def register(client: Any, name: str, sweep: Sweep, row: TrialRow, description: s
     ):
         if key in m:
             tags[key] = f"{m[key]:.4g}"
-    if sweep.card_shared_by() > 1:  # its throughput is a shared-card reading, not the setting's solo speed
-        tags["card_shared_by"] = sweep.card_shared_by()
+    shared = sweep.card_shared_by()
+    if shared > 1:  # its throughput is a shared-card reading, not the setting's solo speed
+        tags["card_shared_by"] = shared
     tags.update({f"knob.{k}": report.fmt(v) for k, v in row.params.items()})
     version = client.create_model_version(
         name, source, run_id=row.run_id, tags={k: str(v) for k, v in tags.items()}, description=description

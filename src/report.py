@@ -207,6 +207,15 @@ class Sweep:
                 copies.setdefault(card, set()).add(copy)
         return max((len(c) for c in copies.values()), default=1)
 
+    def shared_card_caption(self) -> str | None:
+        """Under tokens/s wherever the figures show (picture, terminal table), when trials shared a card."""
+        shared = self.card_shared_by()
+        return (
+            f"tokens/s read with up to {shared} trials sharing a card: a ranking, not solo speeds"
+            if shared > 1
+            else None
+        )
+
     def varying_knobs(self) -> list[str]:
         """Knobs that took more than one value: the ones worth a column, an axis or a label."""
         return [k for k in self.knobs if len({_key(r.params.get(k)) for r in self.rows if k in r.params}) > 1]
@@ -592,11 +601,8 @@ def plot_throughput(sweep: Sweep, path: Path, limit: int = 40) -> None:
         ax.set_yticks(range(len(rows)), names, fontsize=8)
         ax.invert_yaxis()
         ax.bar_label(bars, [f"{s:,.0f}" for s in speeds], padding=3, fontsize=8)
-        shared = sweep.card_shared_by()
-        ax.set_xlabel(
-            "tokens/s (non-padding, warm-up excluded)"
-            + (f"\nread with up to {shared} trials sharing a card: a ranking, not solo speeds" if shared > 1 else "")
-        )
+        caption = sweep.shared_card_caption()
+        ax.set_xlabel("tokens/s (non-padding, warm-up excluded)" + (f"\n{caption}" if caption else ""))
         ax.margins(x=0.15)
         ax.grid(axis="x", alpha=0.3)
     ax.set_title(f"{sweep.name}: throughput of the settings that finished (amber: marginal)", fontsize=10)
@@ -642,11 +648,12 @@ def table(sweep: Sweep) -> Any:
     from rich.table import Table
 
     styles = {"stable": "green", "marginal": "yellow", "failed": "red", "skipped": "dim", "pruned": "dim"}
-    shared = sweep.card_shared_by()
-    caption = (
-        f"tokens/s read with up to {shared} trials sharing a card: a ranking, not solo speeds" if shared > 1 else None
+    t = Table(
+        title=f"{sweep.name}: {summary(sweep)}",
+        title_justify="left",
+        caption=sweep.shared_card_caption(),
+        caption_justify="left",
     )
-    t = Table(title=f"{sweep.name}: {summary(sweep)}", title_justify="left", caption=caption, caption_justify="left")
     for h in _headers(sweep):
         t.add_column(h, justify="right" if h not in ("class", "detail") else "left")
     for row in sweep.rows:

@@ -647,12 +647,13 @@ class SweepEngine:
                 self.run_trial(study, trial, slot)
             except Exception as exc:  # the engine's own trouble: record it on the trial, keep sweeping
                 log.exception("trial %d: engine error", trial.number)
-                if self.storage.get_trial(trial._trial_id).state.is_finished():
+                frozen = self.storage.get_trial(trial._trial_id)
+                if frozen.state.is_finished():
                     continue  # another worker took it for dead and failed it meanwhile
                 self.storage.set_trial_user_attr(trial._trial_id, "failure.kind", "other")
                 message = tracking.redact_text(first_line(str(exc)))
                 self.storage.set_trial_user_attr(trial._trial_id, "failure.message", message)
-                run_id = self.storage.get_trial(trial._trial_id).user_attrs.get("mlflow_run_id")
+                run_id = frozen.user_attrs.get("mlflow_run_id")
                 try:
                     if run_id and self.client.get_run(run_id).info.status == "RUNNING":
                         tracking.close_failed(self.client, run_id, {"kind": "other", "message": message})

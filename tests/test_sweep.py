@@ -154,6 +154,39 @@ def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) 
         assert run.info.status == "KILLED" and run.data.tags["failure.kind"] == "killed"
 
 
+def _ok_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+    return Outcome("ok", metrics={"tokens_per_s": 100.0, "peak_vram_reserved_gib": 8.0})
+
+
+def _fake_sweep(
+    monkeypatch: pytest.MonkeyPatch,
+    study: str,
+    n_trials: int,
+    arguments: list[str],
+    *overrides: str,
+    process=_ok_process,
+    queue_seed: bool = False,
+):
+    """The engine, in this process, with `process` standing in for each trial's process (no model is built):
+    one CPU slot, no progress bar, nothing queued unless `queue_seed`. Returns the composed config."""
+    monkeypatch.setattr("src.sweep.run_process", process)
+    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    cfg = compose_cfg(
+        [
+            "hydra/sweeper=optuna",
+            f"hydra.sweeper.study_name={study}",
+            f"hydra.sweeper.n_trials={n_trials}",
+            "hydra.sweeper.cpu_slots=1",
+            "hydra.sweeper.progress=false",
+            *([] if queue_seed else ["hydra.sweeper.enqueue_trials=[]"]),
+            "trainer.output_dir=/tmp/unused",
+            *overrides,
+        ]
+    )
+    SweepEngine(cfg, arguments).run()
+    return cfg
+
+
 def test_sampler_learns_to_avoid_the_oom_region(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A synthetic objective with a memory model: the engine's telling (constraint = need / budget - 1) must make
     TPE spend fewer trials in the OOM region in the second half of the sweep than in the first."""
@@ -175,22 +208,9 @@ def test_sampler_learns_to_avoid_the_oom_region(root: Path, monkeypatch: pytest.
         return Outcome("ok", metrics={"tokens_per_s": float(tokens), "peak_vram_reserved_gib": need})
 
     SPACE = {"data.max_seq_length": [512, 1024, 2048, 4096], "trainer.per_device_train_batch_size": [1, 2, 4, 8]}
-    monkeypatch.setattr("src.sweep.run_process", fake_process)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
     n = 48
-    cfg = compose_cfg(
-        [
-            "hydra/sweeper=optuna",
-            "hydra.sweeper.study_name=learn",
-            f"hydra.sweeper.n_trials={n}",
-            "hydra.sweeper.cpu_slots=1",
-            "hydra.sweeper.progress=false",
-            "hydra.sweeper.skip_duplicates=false",
-            "hydra.sweeper.enqueue_trials=[]",
-            "trainer.output_dir=/tmp/unused",
-        ]
-    )
-    SweepEngine(cfg, [f"{k}=choice({','.join(map(str, v))})" for k, v in SPACE.items()]).run()
+    space = [f"{k}=choice({','.join(map(str, v))})" for k, v in SPACE.items()]
+    _fake_sweep(monkeypatch, "learn", n, space, "hydra.sweeper.skip_duplicates=false", process=fake_process)
     trials = sorted(_study(root, "learn").get_trials(), key=lambda t: t.number)
     assert len(trials) == n
     # GPU time spent in the OOM region: trials launched there (skipped ones never ran).
@@ -211,25 +231,10 @@ def test_seed_settings_outside_the_users_space_are_not_queued_and_the_sweep_fini
 ) -> None:
     """The default enqueue_trials holds the seed's lora.r=16; a space of choice(4,8) cannot take it. Optuna
     would fail the ask and leave a RUNNING trial no worker owns, and the sweep would wait for it for ever."""
-
-    def fake_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
-        return Outcome("ok", metrics={"tokens_per_s": 100.0, "peak_vram_reserved_gib": 8.0})
-
-    monkeypatch.setattr("src.sweep.run_process", fake_process)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
-    cfg = compose_cfg(
-        [
-            "hydra/sweeper=optuna",
-            "hydra.sweeper.study_name=outside",
-            "hydra.sweeper.n_trials=3",
-            "hydra.sweeper.cpu_slots=1",
-            "hydra.sweeper.progress=false",
-            "trainer.output_dir=/tmp/unused",
-        ]
-    )
-    assert cfg.hydra.sweeper.enqueue_trials[0]["lora.r"] == 16, "the seed's own rank is queued by default"
+    space = ["lora.r=choice(4,8)", "data.max_seq_length=choice(512,1024)"]
     with caplog.at_level("WARNING", logger="src.sweep"):
-        SweepEngine(cfg, ["lora.r=choice(4,8)", "data.max_seq_length=choice(512,1024)"]).run()
+        cfg = _fake_sweep(monkeypatch, "outside", 3, space, queue_seed=True)
+    assert cfg.hydra.sweeper.enqueue_trials[0]["lora.r"] == 16, "the seed's own rank is queued by default"
     trials = _study(root, "outside").get_trials()
     assert len(trials) == 3 and all(t.state == TrialState.COMPLETE for t in trials)
     assert {t.params["lora.r"] for t in trials} <= {4, 8}
@@ -244,22 +249,15 @@ def test_the_report_knows_the_probe_and_margin_the_sweep_ran_with(root: Path, mo
     def fake_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
         return Outcome("ok", metrics={"tokens_per_s": 100.0, "peak_vram_reserved_gib": 20.0, "vram_budget_gib": 24.0})
 
-    monkeypatch.setattr("src.sweep.run_process", fake_process)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
-    cfg = compose_cfg(
-        [
-            "hydra/sweeper=optuna",
-            "hydra.sweeper.study_name=probe6",
-            "hydra.sweeper.n_trials=1",
-            "hydra.sweeper.cpu_slots=1",
-            "hydra.sweeper.progress=false",
-            "hydra.sweeper.enqueue_trials=[]",
-            "hydra.sweeper.trial_overrides=['trainer.max_steps=6','trainer.warmup_steps=0']",
-            "hydra.sweeper.headroom_margin=0.2",
-            "trainer.output_dir=/tmp/unused",
-        ]
+    cfg = _fake_sweep(
+        monkeypatch,
+        "probe6",
+        1,
+        ["lora.r=choice(8)"],
+        "hydra.sweeper.trial_overrides=['trainer.max_steps=6','trainer.warmup_steps=0']",
+        "hydra.sweeper.headroom_margin=0.2",
+        process=fake_process,
     )
-    SweepEngine(cfg, ["lora.r=choice(8)"]).run()
     sweep = report.load("probe6", root / "sweeps", tracking_uri=str(cfg.tracking.uri))
     assert sweep.probe_overrides == ["trainer.max_steps=6", "trainer.warmup_steps=0"]
     assert sweep.margin == pytest.approx(0.2)
@@ -273,22 +271,8 @@ def test_a_custom_space_that_returns_nothing_gets_its_suggestions(root: Path, mo
         seen.append(dict(o.split("=", 1) for o in overrides))
         return Outcome("ok", metrics={"tokens_per_s": 100.0, "peak_vram_reserved_gib": 8.0})
 
-    monkeypatch.setattr("src.sweep.run_process", fake_process)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
-    cfg = compose_cfg(
-        [
-            "hydra/sweeper=optuna",
-            "hydra.sweeper.study_name=custom-none",
-            "hydra.sweeper.n_trials=4",
-            "hydra.sweeper.cpu_slots=1",
-            "hydra.sweeper.progress=false",
-            "hydra.sweeper.enqueue_trials=[]",
-            "hydra.sweeper.skip_duplicates=false",
-            "hydra.sweeper.custom_search_space=tests.sweep_scenarios.rank_follows_length",
-            "trainer.output_dir=/tmp/unused",
-        ]
-    )
-    SweepEngine(cfg, []).run()
+    custom = "hydra.sweeper.custom_search_space=tests.sweep_scenarios.rank_follows_length"
+    _fake_sweep(monkeypatch, "custom-none", 4, [], "hydra.sweeper.skip_duplicates=false", custom, process=fake_process)
     assert len(seen) == 4
     for overrides in seen:
         long_rows = overrides["data.max_seq_length"] == "2048"
@@ -301,20 +285,7 @@ def test_an_engine_error_fails_the_trial_and_closes_its_mlflow_run(
     def broken_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
         raise RuntimeError("disk full while writing the trial's command")
 
-    monkeypatch.setattr("src.sweep.run_process", broken_process)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
-    cfg = compose_cfg(
-        [
-            "hydra/sweeper=optuna",
-            "hydra.sweeper.study_name=engine-error",
-            "hydra.sweeper.n_trials=2",
-            "hydra.sweeper.cpu_slots=1",
-            "hydra.sweeper.progress=false",
-            "hydra.sweeper.enqueue_trials=[]",
-            "trainer.output_dir=/tmp/unused",
-        ]
-    )
-    SweepEngine(cfg, ["lora.r=choice(8,16)"]).run()
+    _fake_sweep(monkeypatch, "engine-error", 2, ["lora.r=choice(8,16)"], process=broken_process)
     trials = _study(root, "engine-error").get_trials()
     assert len(trials) == 2 and all(t.state == TrialState.FAIL for t in trials), "the sweep went on"
     assert {t.user_attrs["failure.message"] for t in trials} == {"disk full while writing the trial's command"}
@@ -330,21 +301,8 @@ def test_a_knob_whose_choices_are_lists_reaches_the_trial_as_lists(root: Path, m
         composed.append(list(compose_cfg(overrides).model.sdpa_backends))  # as the trial composes them
         return Outcome("ok", metrics={"tokens_per_s": 100.0, "peak_vram_reserved_gib": 8.0})
 
-    monkeypatch.setattr("src.sweep.run_process", fake_process)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
-    cfg = compose_cfg(
-        [
-            "hydra/sweeper=optuna",
-            "hydra/sweeper/sampler=grid",
-            "hydra.sweeper.study_name=lists",
-            "hydra.sweeper.n_trials=2",
-            "hydra.sweeper.cpu_slots=1",
-            "hydra.sweeper.progress=false",
-            "hydra.sweeper.enqueue_trials=[]",
-            "trainer.output_dir=/tmp/unused",
-        ]
-    )
-    SweepEngine(cfg, ["model.sdpa_backends=choice([flash,efficient],[math])"]).run()
+    space = ["model.sdpa_backends=choice([flash,efficient],[math])"]
+    _fake_sweep(monkeypatch, "lists", 2, space, "hydra/sweeper/sampler=grid", process=fake_process)
     assert sorted(composed) == [["flash", "efficient"], ["math"]]
 
 
@@ -483,23 +441,16 @@ def test_a_two_objective_sweep_tells_optuna_both_and_ooms_the_worst_of_each(
             )
         return Outcome("ok", metrics={"tokens_per_s": seq / 2.0, "peak_vram_reserved_gib": 6.0 + seq / 256})
 
-    monkeypatch.setattr("src.sweep.run_process", fake_process)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
-    cfg = compose_cfg(
-        [
-            "hydra/sweeper=optuna",
-            "hydra/sweeper/sampler=nsgaii",
-            "hydra.sweeper.study_name=pareto",
-            "hydra.sweeper.n_trials=6",
-            "hydra.sweeper.cpu_slots=1",
-            "hydra.sweeper.progress=false",
-            "hydra.sweeper.enqueue_trials=[]",
-            "hydra.sweeper.objectives=[tokens_per_s,peak_vram_reserved_gib]",
-            "hydra.sweeper.direction=[maximize,minimize]",
-            "trainer.output_dir=/tmp/unused",
-        ]
+    cfg = _fake_sweep(
+        monkeypatch,
+        "pareto",
+        6,
+        ["data.max_seq_length=choice(512,1024,4096)"],
+        "hydra/sweeper/sampler=nsgaii",
+        "hydra.sweeper.objectives=[tokens_per_s,peak_vram_reserved_gib]",
+        "hydra.sweeper.direction=[maximize,minimize]",
+        process=fake_process,
     )
-    SweepEngine(cfg, ["data.max_seq_length=choice(512,1024,4096)"]).run()
     study = _study(root, "pareto")
     assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
     trials = [t for t in study.get_trials() if t.user_attrs.get("trial.status") != "skipped"]
