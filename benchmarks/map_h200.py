@@ -13,7 +13,7 @@ On a GPU machine, in one run:
    cuDNN, Liger's kernels, no LoRA dropout), then with the variants that each gained, together;
 6. `benchmarks/results/map_<model>_<budget>gib.json`.
 
-Solo trials are forked from a warm interpreter (`src/launcher.py`, as the map's are with `preload`) unless
+Solo trials are forked from a warm interpreter (`src/sweep/launcher.py`, as the map's are with `preload`) unless
 `--no-solo-preload`.
 
 "Best stable" only considers settings that train what the seed trains: the same rank and max_seq_length at
@@ -35,8 +35,10 @@ import time
 from pathlib import Path
 
 from benchmarks import summarize
-from src import launcher
+from src.config import override_value
+from src.sweep import launcher
 from src.tracking import system_tags
+from src.trial.handoff import STARTED_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = {
@@ -69,7 +71,7 @@ MFU_COUNTING = (
     "gradients for frozen weights; LoRA's own weight gradients, <1%, not counted) + causal attention "
     "6 x layers x d x L^2. Padding tokens and the forward recomputed by gradient checkpointing are not counted: "
     "lengths come from each micro-batch's attention mask (or padding-free position ids), read by a hook on the "
-    "model's forward, which runs once per micro-batch (src/measure.py FlopCounter)."
+    "model's forward, which runs once per micro-batch (src/measure/ FlopCounter)."
 )
 
 
@@ -104,14 +106,7 @@ def params_of(attrs_params: dict) -> dict:
 
 
 def overrides(setting: dict) -> list[str]:
-    def value(v: object) -> str:
-        if isinstance(v, bool):
-            return str(v).lower()
-        if isinstance(v, list):
-            return "[" + ",".join(map(str, v)) + "]"
-        return str(v)
-
-    return [f"{k}={value(v)}" for k, v in setting.items()]
+    return [f"{k}={override_value(v)}" for k, v in setting.items()]
 
 
 def map_trials(storage: str, study: str) -> list[dict]:
@@ -163,7 +158,7 @@ def solo(
 
 def run_trial(argv: list[str], log: Path, timeout: float, ctx: object) -> tuple[int, float]:
     """`python -m src.train argv`, forked from the warm interpreter `ctx` (None: a fresh one); (exit code, s)."""
-    env = {launcher.STARTED_ENV: repr(time.time())}  # start-up counts from the launch (src/measure.py)
+    env = {STARTED_ENV: repr(time.time())}  # start-up counts from the launch (src/measure/)
     if ctx is None:
         return sh([sys.executable, "-m", "src.train", *argv], log, timeout=timeout, env={**os.environ, **env})
     start = time.time()
@@ -296,7 +291,7 @@ def main() -> int:
         "--solo-preload",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="fork solo trials from a warm interpreter (src/launcher.py); --no-solo-preload starts each as a fresh one",
+        help="fork solo trials from a warm interpreter (src/sweep/launcher.py); --no-solo-preload starts each as a fresh one",
     )
     p.add_argument("--profile", action="store_true", help="also profile one step of the best stable (kernels)")
     p.add_argument("--deadline-s", type=float, default=None, help="no solo trial starts past this (from start)")

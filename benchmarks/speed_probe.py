@@ -3,7 +3,7 @@
     python -m benchmarks.speed_probe [--only NAME ...] [--out FILE]
 
 On a GPU machine: the card's bf16 matmul rate, the model built once, then each setting of `SETTINGS` as one
-trial with the card to itself (forked from a warm interpreter, `src/launcher.py`), with the same probe as the
+trial with the card to itself (forked from a warm interpreter, `src/sweep/launcher.py`), with the same probe as the
 map's solo trials (`benchmarks.map_h200.solo`). A setting whose name ends in `_profile` also writes the profile
 of one step (GPU kernel time against wall time, top kernels, top host ops). The result file is written after
 every trial: `benchmarks/results/speed_probe_h200.json` by default.
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks.map_h200 import COMPILED_PROBE, ROOT, SEED, card_rate, compiles, sh, solo, with_mfu
-from src import launcher
+from src.sweep import launcher
 from src.tracking import system_tags
 
 PACKED = {"trainer.gradient_checkpointing": True, "trainer.group_by_length": False, "trainer.packing": True}

@@ -28,9 +28,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from src import report
-from src.config import KNOBS, PROJECT_DIR
-from src.sweep import stop_process_group
+from src import knobs, report
+from src.config import PROJECT_DIR
+from src.sweep.process import stop_process_group
 
 CHROMIUM_FLAGS = (
     "--headless",
@@ -194,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     if experiment is None:
         print(f"error: no MLflow experiment '{sweep.name}' in {store}", file=sys.stderr)
         return 1
-    knobs = [k for k in KNOBS if k in sweep.varying_knobs()] or sweep.varying_knobs()
-    state = view_state(experiment.experiment_id, sweep.parent_run_id, knobs)
+    varying = sweep.varying_knobs()  # registered knobs first, in the registry's order
+    registered = set(knobs.keys())
+    shown = [k for k in varying if k in registered] or varying
+    state = view_state(experiment.experiment_id, sweep.parent_run_id, shown)
     port = free_port()
     origin = f"http://127.0.0.1:{port}"
     url = f"{origin}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"

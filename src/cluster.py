@@ -29,8 +29,8 @@ import submitit
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from src import tracking
-from src.config import PROJECT_DIR
+from src import gpus, redact
+from src.config import PROJECT_DIR, compose
 
 log = logging.getLogger(__name__)
 
@@ -71,29 +71,21 @@ def split_arguments(argv: list[str]) -> tuple[str, list[str], list[str]]:
 def load_cluster(name: str, overrides: list[str]) -> ClusterConfig:
     """conf/cluster/<name>.yaml with `overrides`, composed by Hydra over the ClusterConfig schema (a typo or a
     wrong type fails naming the key)."""
-    from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
 
     if not (CLUSTER_DIR / f"{name}.yaml").exists():
         options = ", ".join(sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
         raise SystemExit(f"cluster={name}: no conf/cluster/{name}.yaml; options: {options}")
     ConfigStore.instance().store(name="cluster_schema", node=ClusterConfig)
-    with initialize_config_dir(config_dir=str(CLUSTER_DIR), version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name=name, overrides=overrides))
+    return OmegaConf.to_object(compose(overrides, config_dir=CLUSTER_DIR, config_name=name))
 
 
 def sweep_config(sweep_args: list[str]) -> Any:
     """The sweep's config as each worker will compose it (sweep ranges left out): the study, its storage, the
     tracking URI, checked here before anything is submitted."""
-    from hydra import compose, initialize_config_dir
-
-    from src.config import register_configs
-
-    register_configs()
     parser = OverridesParser.create()
     plain = [o.input_line for o in parser.parse_overrides(sweep_args) if not o.is_sweep_override()]
-    with initialize_config_dir(config_dir=str(PROJECT_DIR / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=["hydra/sweeper=optuna", *plain], return_hydra_config=True)
+    return compose(["hydra/sweeper=optuna", *plain], hydra_config=True)
 
 
 class SweepWorker(submitit.helpers.Checkpointable):
@@ -106,7 +98,7 @@ class SweepWorker(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict[str, Any]:
         cmd = [sys.executable, *SWEEP_COMMAND, *self.sweep_args]
-        print(f"worker on {socket.gethostname()}: {tracking.redact_text(' '.join(cmd))}", flush=True)
+        print(f"worker on {socket.gethostname()}: {redact.redact_text(' '.join(cmd))}", flush=True)
         # Output goes to the job's own log (submitit's <folder>/<job>_0_log.out), redacted by the sweep's logging.
         done = subprocess.run(cmd, cwd=PROJECT_DIR, check=False)
         if done.returncode != 0:
@@ -116,12 +108,12 @@ class SweepWorker(submitit.helpers.Checkpointable):
 
 def submit(cluster: ClusterConfig, sweep_args: list[str]) -> list[Any]:
     """Submit `cluster.workers` sweep workers; returns submitit's jobs."""
-    leaks = [a for a in sweep_args if tracking.redact_text(a) != a]
+    leaks = [a for a in sweep_args if redact.redact_text(a) != a]
     if leaks:
         # submitit pickles the arguments into its folder, and the scheduler shows command lines to everyone
         raise SystemExit(
             "refusing to submit credentials: "
-            + ", ".join(tracking.redact_text(a) for a in leaks)
+            + ", ".join(redact.redact_text(a) for a in leaks)
             + " (put the password in PGPASSWORD / MLFLOW_TRACKING_PASSWORD; jobs inherit the environment)"
         )
     cfg = sweep_config(sweep_args)
@@ -159,15 +151,13 @@ def submit(cluster: ClusterConfig, sweep_args: list[str]) -> list[Any]:
         return jobs
     if cluster.executor == "local" and cluster.gpus_per_node:
         # Local jobs all get GPUs 0..n-1 unless told otherwise: give each worker its own cards.
-        from src.sweep import _visible_gpus
-
-        gpus = _visible_gpus()
+        cards = gpus.indices()
         per = cluster.gpus_per_node
-        if len(gpus) < per * cluster.workers:
-            raise SystemExit(f"{cluster.workers} workers x {per} GPUs, but this machine shows {len(gpus)}")
+        if len(cards) < per * cluster.workers:
+            raise SystemExit(f"{cluster.workers} workers x {per} GPUs, but this machine shows {len(cards)}")
         jobs = []
         for i in range(cluster.workers):
-            executor.update_parameters(local_visible_gpus=gpus[i * per : (i + 1) * per])
+            executor.update_parameters(local_visible_gpus=cards[i * per : (i + 1) * per])
             jobs.append(executor.submit(SweepWorker(sweep_args)))
     else:
         jobs = [executor.submit(SweepWorker(sweep_args)) for _ in range(cluster.workers)]
@@ -176,7 +166,7 @@ def submit(cluster: ClusterConfig, sweep_args: list[str]) -> list[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tracking.redact_logging()
+    redact.redact_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
         print(__doc__)
@@ -196,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"worker {job.job_id}: done on {result['host']} (GPUs: {result['gpus'] or 'none'})")
         except Exception as exc:  # submitit re-raises the job's error with its log's tail
             failed += 1
-            print(f"worker {job.job_id}: failed: {tracking.redact_text(str(exc))[-2000:]}", file=sys.stderr)
+            print(f"worker {job.job_id}: failed: {redact.redact_text(str(exc))[-2000:]}", file=sys.stderr)
     return 1 if failed else 0
 
 

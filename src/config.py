@@ -1,7 +1,8 @@
 """Typed config schemas, and the one place where the users' words become today's library names.
 
 Each group's schema is stored in Hydra's ConfigStore and merged under the YAML options in `conf/`, so a
-misspelled key or a wrong type fails at compose time with the key's full name. Field names equal the
+misspelled key or a wrong type fails at compose time with the key's full name. A schema gives types; each value's
+default has one home: the group's YAML where an option sets it (MISSING here), else the schema. Field names equal the
 library's own (peft.LoraConfig, transformers.BitsAndBytesConfig, trl.SFTConfig) so that each object is
 built in one call; the exceptions are the words users know from older versions, mapped in `sft_kwargs`.
 """
@@ -18,7 +19,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 @dataclass
 class PathsConfig:
-    root_dir: str = "."
+    root_dir: str = MISSING
     sweeps_dir: str = MISSING
     mlruns_dir: str = MISSING
     cache_dir: str = MISSING
@@ -27,10 +28,10 @@ class PathsConfig:
 @dataclass
 class QuantizationConfig:
     _target_: str = "transformers.BitsAndBytesConfig"
-    load_in_4bit: bool = True
-    bnb_4bit_quant_type: str = "nf4"
-    bnb_4bit_use_double_quant: bool = True
-    bnb_4bit_compute_dtype: str = "bfloat16"
+    load_in_4bit: bool = MISSING
+    bnb_4bit_quant_type: str = MISSING
+    bnb_4bit_use_double_quant: bool = MISSING
+    bnb_4bit_compute_dtype: str = MISSING
     bnb_4bit_quant_storage: str = "uint8"
 
 
@@ -38,19 +39,19 @@ class QuantizationConfig:
 class ModelConfig:
     name: str = MISSING
     path: str = MISSING
-    dtype: str = "bfloat16"
-    attn_implementation: str = "sdpa"
+    dtype: str = MISSING
+    attn_implementation: str = MISSING
     # With sdpa: the kernels torch may pick, in order of preference (flash, efficient, cudnn, math); null: torch's own
     # choice. The attention.kernel tag says which one ran.
-    sdpa_backends: list[str] | None = None
+    sdpa_backends: list[str] | None = MISSING
     # peft's prepare_model_for_kbit_training casts every weight that is not 4-bit (embeddings, norms, lm_head) to
     # fp32. false keeps them in model.dtype, as axolotl's skip_prepare_model_for_kbit_training does.
-    upcast_non_quantized: bool = True
+    upcast_non_quantized: bool = MISSING
     # null: chosen by hardware.parallelism (one card, or "auto" across the trial's cards for model_parallel)
-    device_map: Any = None
+    device_map: Any = MISSING
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     # Save the 4-bit weights once and load those afterwards (a trial then skips quantizing 16 GB).
-    cache_quantized: bool = False
+    cache_quantized: bool = MISSING
     # A random model of this architecture is built at `path` when `path` does not exist (tiny / synthetic).
     build: dict[str, Any] | None = None
 
@@ -58,99 +59,99 @@ class ModelConfig:
 @dataclass
 class LoraConfig:
     _target_: str = "peft.LoraConfig"
-    r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=list)
-    bias: str = "none"
-    task_type: str = "CAUSAL_LM"
+    r: int = MISSING
+    lora_alpha: int = MISSING
+    lora_dropout: float = MISSING
+    target_modules: list[str] = MISSING
+    bias: str = MISSING
+    task_type: str = MISSING
 
 
 @dataclass
 class DataConfig:
     path: str = MISSING
-    input_column: str = "Sentence"
-    output_column: str = "Description"
-    system_prompt: str = ""
+    input_column: str = MISSING
+    output_column: str = MISSING
+    system_prompt: str = MISSING
     sheet: str | None = None
     # The user's word; trl now calls it `max_length` (mapped in `sft_kwargs`).
-    max_seq_length: int = 1024
-    max_rows: int | None = None
+    max_seq_length: int = MISSING
+    max_rows: int | None = MISSING
     seed: int = 0
 
 
 @dataclass
 class TrainerConfig:
-    per_device_train_batch_size: int = 1
-    gradient_accumulation_steps: int = 2
-    learning_rate: float = 2e-5
-    lr_scheduler_type: str = "linear"
-    warmup_steps: float = 0.03  # < 1: a fraction of the run (transformers 5 merged warmup_ratio in)
+    per_device_train_batch_size: int = MISSING
+    gradient_accumulation_steps: int = MISSING
+    learning_rate: float = MISSING
+    lr_scheduler_type: str = MISSING
+    warmup_steps: float = MISSING  # < 1: a fraction of the run (transformers 5 merged warmup_ratio in)
     weight_decay: float = 0.0
-    max_grad_norm: float = 0.3
-    num_train_epochs: float = 1.0
-    max_steps: int = -1
-    optim: str = "paged_adamw_32bit"
-    bf16: bool = True
-    gradient_checkpointing: bool = True
+    max_grad_norm: float = MISSING
+    num_train_epochs: float = MISSING
+    max_steps: int = MISSING
+    optim: str = MISSING
+    bf16: bool = MISSING
+    gradient_checkpointing: bool = MISSING
     # The user's word; transformers now says train_sampling_strategy="group_by_length".
-    group_by_length: bool = True
-    padding_free: bool = False
-    packing: bool = False
-    use_liger_kernel: bool = False
+    group_by_length: bool = MISSING
+    padding_free: bool = MISSING
+    packing: bool = MISSING
+    use_liger_kernel: bool = MISSING
     # false | true (the whole model, by transformers' Trainer) | layers (each decoder layer: one compiled graph
     # serves all of them, so it compiles in seconds, not minutes; src/models.py compile_layers)
-    torch_compile: Any = False
-    assistant_only_loss: bool = False
-    torch_empty_cache_steps: int | None = None
-    logging_steps: int = 1
-    seed: int = 42
+    torch_compile: Any = MISSING
+    assistant_only_loss: bool = MISSING
+    torch_empty_cache_steps: int | None = MISSING
+    logging_steps: int = MISSING
+    seed: int = MISSING
     dataloader_num_workers: int = 0
     output_dir: str = MISSING
-    save_adapter: bool = False
+    save_adapter: bool = MISSING
 
 
 @dataclass
 class MeasureConfig:
-    warmup_steps: int = 2
-    nvml_interval_s: float = 0.05
-    profile_attention: bool = True
-    profile_step: int | None = None  # profile this step's kernels (profile.txt): where a step's time goes
-    profile_startup: bool = False  # profile the start-up's Python calls (startup_profile.txt)
+    warmup_steps: int = MISSING
+    nvml_interval_s: float = MISSING
+    profile_attention: bool = MISSING
+    profile_step: int | None = MISSING
+    profile_startup: bool = MISSING
 
 
 @dataclass
 class HardwareConfig:
     # The card being mapped. On a larger GPU the trial caps its own allocator to this.
-    vram_budget_gib: float = 24.0
-    parallelism: str = "single"
+    vram_budget_gib: float = MISSING
+    parallelism: str = MISSING
     # data_parallel: processes (ranks) per trial; null = the trial's GPUs (2 on a CPU, over gloo).
-    processes: int | None = None
+    processes: int | None = MISSING
 
 
 @dataclass
 class TrackingConfig:
     uri: str = MISSING
-    experiment: str = "qlora-trials"
-    registered_model: str = "llama3-qlora"
+    experiment: str = MISSING
+    registered_model: str = MISSING
 
 
 @dataclass
 class FaultConfig:
-    kind: str = "none"
-    step: int = 1
+    kind: str = MISSING
+    step: int = MISSING
     rank: int | None = None  # data_parallel: only this rank fails (null: every rank)
 
 
 @dataclass
 class PreflightConfig:
     # Share of rows whose assistant answer would be cut by max_seq_length above which training is refused.
-    max_truncated_answer_frac: float = 0.0
-    max_empty_frac: float = 0.0
-    max_duplicate_frac: float = 1.0
-    max_invalid_json_frac: float = 1.0
-    require_json_output: str = "auto"
-    fail_on_warnings: bool = False
+    max_truncated_answer_frac: float = MISSING
+    max_empty_frac: float = MISSING
+    max_duplicate_frac: float = MISSING
+    max_invalid_json_frac: float = MISSING
+    require_json_output: str = MISSING
+    fail_on_warnings: bool = MISSING
 
 
 @dataclass
@@ -177,24 +178,6 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
 
-
-# Knobs a sweep varies and a report shows; the first four are the seed's.
-KNOBS = (
-    "data.max_seq_length",
-    "trainer.gradient_accumulation_steps",
-    "lora.r",
-    "trainer.group_by_length",
-    "trainer.per_device_train_batch_size",
-    "trainer.gradient_checkpointing",
-    "model.attn_implementation",
-    "trainer.padding_free",
-    "trainer.packing",
-    "trainer.use_liger_kernel",
-    "trainer.torch_compile",
-    "lora.lora_dropout",
-    "model.upcast_non_quantized",
-    "model.sdpa_backends",
-)
 
 # trl.SFTConfig fields that take the trainer group's values unchanged.
 _SFT_FIELDS = (
@@ -248,3 +231,57 @@ def sft_kwargs(cfg: DictConfig, use_cpu: bool) -> dict[str, Any]:
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
+
+
+def compose(
+    overrides: list[str] | None = None,
+    hydra_config: bool = False,
+    config_dir: Path | None = None,
+    config_name: str = "train",
+) -> DictConfig:
+    """A config as `python -m src.train` composes it (Hydra's compose API), so tools outside a Hydra app (the
+    report, promotion, the cluster submitter, tests) find sweeps/ and mlruns/ where the trials put them."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir or PROJECT_DIR / "conf"), version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=overrides or [], return_hydra_config=hydra_config)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def flatten(node: Any, prefix: str = "", into_lists: bool = False) -> dict[str, Any]:
+    """A nested container as dotted keys to leaf values, kept as they are. Lists are leaves, or with
+    `into_lists` are descended into as `key[i]`; an empty dict or list is a leaf."""
+    if isinstance(node, dict) and node:
+        items = [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in node.items()]
+    elif isinstance(node, list | tuple) and node and into_lists:
+        items = [(f"{prefix}[{i}]", v) for i, v in enumerate(node)]
+    else:
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for key, value in items:
+        out.update(flatten(value, key, into_lists))
+    return out
+
+
+def override_value(value: Any) -> str:
+    """A Python value as Hydra override text (`key=<this>`): booleans and null in YAML's words, strings quoted,
+    lists and dicts in Hydra's own brackets. A string that already is bracketed Hydra text passes through."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str) and value[:1] + value[-1:] in ("[]", "{}"):
+        return value  # a list or dict choice of a search space, kept as its Hydra text (src/sweep/space.py)
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(value)

@@ -230,14 +230,21 @@ def compile_layers(model: Any) -> int:
     return len(layers)
 
 
+# model.sdpa_backends' words for torch.nn.attention.SDPBackend members (preflight refuses any other word)
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
+
+
 def attention_kernels(cfg: Any) -> contextlib.AbstractContextManager:
     """The SDPA kernels model.sdpa_backends allows, in its order (torch.nn.attention.sdpa_kernel); the flags it
     sets are process-wide, so the backward pass, run on autograd's own threads, keeps to them too."""
     if cfg.model.sdpa_backends is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from src.preflight import SDPA_BACKENDS
 
     backends = [getattr(SDPBackend, SDPA_BACKENDS[name]) for name in cfg.model.sdpa_backends]
     return sdpa_kernel(backends, set_priority=True)

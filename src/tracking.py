@@ -1,4 +1,4 @@
-"""MLflow: where trials and sweeps are recorded, with every credential redacted on the way in.
+"""MLflow: where trials and sweeps are recorded, with every credential redacted on the way in (src/redact.py).
 
 The store is `tracking.uri` (default sqlite:///mlruns/mlflow.db, artifacts beside it); an MLflow server
 works the same way (`tracking.uri=http://...`, credentials from MLFLOW_TRACKING_USERNAME/PASSWORD).
@@ -6,175 +6,26 @@ works the same way (`tracking.uri=http://...`, credentials from MLFLOW_TRACKING_
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
-import os
 import platform
-import re
-import traceback
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
-
-REDACTED = "***"
-
-# A key names a secret when its last dotted segment is one of these words or ends in `_<word>` (hf_token,
-# use_auth_token, mlflow.password). `tokens_per_s`, `max_tokens` and `tokenizer` do not; special-token keys
-# (pad_token, eos_token, ...) hold vocabulary entries, not credentials.
-_SECRET_WORDS = r"token|secret|password|passwd|passphrase|api[_-]?key|access[_-]?key|private[_-]?key|credentials?|auth"
-_SECRET_KEY = re.compile(rf"(?:^|[_-])(?:{_SECRET_WORDS})$", re.IGNORECASE)
-_SPECIAL_TOKEN_KEY = re.compile(r"^(?:bos|eos|pad|unk|sep|cls|mask|additional_special)_tokens?$", re.IGNORECASE)
-# Values that look like credentials wherever they appear (a config value, a log line, a traceback).
-SECRET_VALUE_PATTERNS = {
-    "a Hugging Face token": re.compile(r"\bhf_[A-Za-z0-9]{20,}"),
-    "a password inside a URI": re.compile(r"(?<=://)[^/\s:@'\"]+:[^/\s@'\"]+(?=@)"),
-    "a password in a query string": re.compile(r"(?i)(?<=[?&;\s]password=)[^&\s'\"]+"),
-    "an API token": re.compile(r"\b(?:sk|ghp|gho|ghs|github_pat|glpat|xox[abprs])[-_][A-Za-z0-9_-]{16,}"),
-    "an HTTP authorization credential": re.compile(
-        r"(?i)(?<=\bbasic )[A-Za-z0-9+/]{12,}={0,2}|(?<=\bbearer )[A-Za-z0-9._~+/-]{12,}=*"
-    ),
-}
-# `key: value`, `key=value`, `"key": "value"`, `'key': 'value'` with a secret key, in any text (YAML, JSON,
-# a Hydra override, a repr): the value is replaced whatever its shape.
-_KEY_VALUE = re.compile(
-    rf"(?P<key>[A-Za-z0-9_.-]*(?:{_SECRET_WORDS}))(?P<sep>[\"']?[ \t]*[:=][ \t]*)"
-    r"(?:(?P<quote>[\"'])(?P<quoted>[^\"'\n]*)(?P=quote)|(?P<value>[^\s\"'`,}\]]+))",
-    re.IGNORECASE,
-)
-_NOT_SECRET_VALUES = {"null", "none", "true", "false", "''", '""', REDACTED}
-# Environment variables whose values are secrets even when they look like nothing in particular.
-# PGPASSWORD has no "_" before its secret word.
-_ENV_SECRET_NAME = re.compile(rf"(?:^|_|^PG)(?:{_SECRET_WORDS}|key)$", re.IGNORECASE)
-_MIN_SECRET_LEN = 8  # shorter values ("1", "true") would redact half the text and protect nothing
+from src import gpus
+from src.config import flatten
+from src.redact import REDACTED, is_secret_key, redact_text
 
 
-def is_secret_key(key: str) -> bool:
-    """Whether a config key (dotted or not) names a credential."""
-    last = str(key).rsplit(".", 1)[-1].lstrip("+~")
-    return bool(_SECRET_KEY.search(last)) and not _SPECIAL_TOKEN_KEY.match(last)
-
-
-def secret_values() -> list[str]:
-    """The credentials this process holds: secret-named environment variables and the user's HF login."""
-    values = [v for k, v in os.environ.items() if v and len(v) >= _MIN_SECRET_LEN and _ENV_SECRET_NAME.search(k)]
-    login = _hf_login_token()
-    if login:
-        values.append(login)
-    # Longest first, so a token that contains another is replaced whole.
-    return sorted(set(values), key=len, reverse=True)
-
-
-def _hf_login_token() -> str | None:
-    """The token `hf auth login` stored (found the way huggingface_hub finds it, without importing it)."""
-    home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface")
-    path = Path(os.environ.get("HF_TOKEN_PATH") or home / "token").expanduser()
-    try:
-        return _read_token(str(path), path.stat().st_mtime_ns)
-    except OSError:
-        return None
-
-
-@functools.lru_cache(maxsize=4)
-def _read_token(path: str, mtime_ns: int) -> str | None:
-    # Cached by modification time: every log record is redacted, and the file changes only on (re)login.
-    token = Path(path).read_text().strip()
-    return token if len(token) >= _MIN_SECRET_LEN else None
-
-
-def _redact_key_value(match: re.Match[str]) -> str:
-    value = match["quoted"] if match["quote"] else match["value"]
-    if not is_secret_key(match["key"]) or value.lower() in _NOT_SECRET_VALUES or value.startswith("${") or not value:
-        return match[0]
-    quote = match["quote"] or ""
-    return f"{match['key']}{match['sep']}{quote}{REDACTED}{quote}"
-
-
-def redact_text(text: str) -> str:
-    """`text` with every credential replaced by ***: known values first, then anything shaped like one."""
-    for value in secret_values():
-        text = text.replace(value, REDACTED)
-    for pattern in SECRET_VALUE_PATTERNS.values():
-        text = pattern.sub(REDACTED, text)
-    return _KEY_VALUE.sub(_redact_key_value, text)
-
-
-def redact_file(path: Path) -> bool:
-    """Redact a text file in place (a log, a saved config); True if it held a secret."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return False
-    clean = redact_text(text)
-    if clean == text:
-        return False
-    tmp = path.with_name(path.name + ".redacting")
-    tmp.write_text(clean, encoding="utf-8")
-    tmp.replace(path)
-    return True
-
-
-class RedactingFilter(logging.Filter):
-    """On a handler: the record's message and traceback are redacted before any formatter writes them."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            record.msg, record.args = redact_text(record.getMessage()), None
-        except Exception:  # a malformed record: let logging report it, but never with the raw arguments
-            record.msg, record.args = redact_text(str(record.msg)), None
-        if record.exc_info and not record.exc_text:
-            record.exc_text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
-        if record.exc_text:
-            record.exc_text = redact_text(record.exc_text)
-        if record.stack_info:
-            record.stack_info = redact_text(record.stack_info)
-        return True
-
-
-def redact_logging() -> None:
-    """Put a RedactingFilter on every handler of the root logger (where Hydra's console and job-log file
-    handlers live): records from any library pass through it, whichever logger emitted them."""
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
-            handler.addFilter(RedactingFilter())
-
-
-class RedactSecrets(Callback):
-    """Hydra callback (hydra.callbacks.redact_secrets, set in conf/preflight/default.yaml).
-
-    Hydra writes the composed config, its own config and the command-line overrides to
-    `<run dir>/.hydra/*.yaml` before the task starts, so an override that carries a token would sit there in
-    clear text even though preflight then refuses the run. This rewrites those files redacted as soon as
-    Hydra has written them, and redacts every log record from then on.
-    """
-
-    def on_job_start(self, config: Any, **kwargs: Any) -> None:
-        redact_logging()
-        hydra_cfg = config.hydra
-        if hydra_cfg.output_subdir is not None:
-            for path in (Path(hydra_cfg.runtime.output_dir) / str(hydra_cfg.output_subdir)).glob("*.yaml"):
-                redact_file(path)
-
-    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        redact_logging()
-
-
-def flatten(node: Any, prefix: str = "") -> dict[str, str]:
-    """A nested config as dotted keys with string values, secrets redacted."""
-    out: dict[str, str] = {}
-    if isinstance(node, dict):
-        for key, value in node.items():
-            name = f"{prefix}.{key}" if prefix else str(key)
-            if is_secret_key(str(key)) and value not in (None, "") and not isinstance(value, bool | int | float):
-                out[name] = REDACTED
-            else:
-                out.update(flatten(value, name))
-    elif isinstance(node, list):
-        out[prefix] = redact_text(json.dumps(node))
-    else:
-        out[prefix] = redact_text(str(node))
+def params(config: dict[str, Any]) -> dict[str, str]:
+    """A composed config as MLflow params: dotted keys, string values (lists as JSON), secrets redacted."""
+    out = {}
+    for key, value in flatten(config).items():
+        secret = any(is_secret_key(part) for part in key.split("."))
+        if secret and value not in (None, "") and not isinstance(value, bool | int | float):
+            out[key] = REDACTED
+        else:
+            out[key] = redact_text(json.dumps(value) if isinstance(value, list) else str(value))
     return out
 
 
@@ -211,13 +62,7 @@ def system_tags() -> dict[str, str]:
         tags["gpu.total_gib"] = f"{props.total_memory / 1024**3:.1f}"
         tags["gpu.capability"] = f"{props.major}.{props.minor}"
         tags["cuda.runtime"] = str(torch.version.cuda)
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            tags["gpu.driver"] = str(pynvml.nvmlSystemGetDriverVersion())
-        except Exception:
-            tags["gpu.driver"] = "unknown"
+        tags["gpu.driver"] = gpus.driver().get("version", "unknown")
     else:
         tags["gpu.name"] = "none (cpu)"
     return tags
@@ -234,6 +79,7 @@ def setup(uri: str) -> None:
 
 def experiment_id(name: str, artifacts_dir: str | None) -> str:
     """The experiment `name`, created with its artifacts under `artifacts_dir` (local stores) if new."""
+    import mlflow
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
@@ -241,7 +87,7 @@ def experiment_id(name: str, artifacts_dir: str | None) -> str:
     if found is not None:
         return found.experiment_id
     location = None
-    if artifacts_dir and not client._tracking_client.tracking_uri.startswith("http"):
+    if artifacts_dir and not mlflow.get_tracking_uri().startswith("http"):
         location = (Path(artifacts_dir).resolve() / name).as_uri()
     try:
         return client.create_experiment(name, artifact_location=location)
@@ -252,31 +98,28 @@ def experiment_id(name: str, artifacts_dir: str | None) -> str:
         return found.experiment_id
 
 
+# MlflowClient.log_batch splits what it is given into the store's batch limits itself.
+
+
 def log_metrics(client: Any, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     import time
 
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-    for i in range(0, len(batch), 500):
-        client.log_batch(run_id, metrics=batch[i : i + 500])
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None])
 
 
 def log_params(client: Any, run_id: str, params: dict[str, str]) -> None:
     from mlflow.entities import Param
 
-    items = [Param(k, v[:6000]) for k, v in params.items()]
-    for i in range(0, len(items), 100):
-        client.log_batch(run_id, params=items[i : i + 100])
+    client.log_batch(run_id, params=[Param(k, v[:6000]) for k, v in params.items()])
 
 
 def set_tags(client: Any, run_id: str, tags: dict[str, Any]) -> None:
     from mlflow.entities import RunTag
 
-    items = [RunTag(k, redact_text(str(v))[:5000]) for k, v in tags.items() if v is not None]
-    for i in range(0, len(items), 100):
-        client.log_batch(run_id, tags=items[i : i + 100])
+    client.log_batch(run_id, tags=[RunTag(k, redact_text(str(v))[:5000]) for k, v in tags.items() if v is not None])
 
 
 def log_text(client: Any, run_id: str, text: str, name: str) -> None:

@@ -1,7 +1,7 @@
 """Entry point: compose the config and dispatch.
 
     python -m src.train [overrides]                        # one trial (one QLoRA run, measured and tracked)
-    python -m src.train -m hydra/sweeper=optuna [...]     # a sweep (the engine is src/sweep.py)
+    python -m src.train -m hydra/sweeper=optuna [...]     # a sweep (the engine is src/sweep/)
 
 Returns the trial's outcome; exits non-zero when the trial failed (the failure is recorded first).
 """

@@ -10,11 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from src.config import PROJECT_DIR, register_configs
+from src.config import PROJECT_DIR, compose
 
 CONF = PROJECT_DIR / "conf"
 
@@ -46,11 +44,8 @@ def root(tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
 
 
 def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
-    """The real config, composed the way `python -m src.train` composes it (Hydra's compose API)."""
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides or [], return_hydra_config=True)
+    """The real config, composed the way `python -m src.train` composes it, Hydra's own node included."""
+    return compose(overrides, hydra_config=True)
 
 
 def run_cli(

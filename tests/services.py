@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import pytest
 
-from src.sweep import stop_process_group  # a service in its own session: stopped with all it spawned
+from src.sweep.process import stop_process_group  # a service in its own session: stopped with all it spawned
 
 PG_USER = "qlora"
 

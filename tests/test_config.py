@@ -3,14 +3,17 @@ knob names reach today's library fields through the one mapping."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
-from src.config import KNOBS, sft_kwargs
-from src.sweep import split_arguments
+from src import knobs
+from src.config import sft_kwargs
+from src.sweep.space import split_arguments
 from tests.conftest import CONF, compose_cfg, run_cli
 
 GROUPS = ["model", "lora", "data", "trainer", "measure", "hardware", "tracking", "fault", "preflight", "paths"]
@@ -51,7 +54,7 @@ def test_every_search_space_composes_and_parses(space: str, root: Path) -> None:
     params = OmegaConf.to_container(sweeper.params, resolve=True)
     _, distributions = split_arguments([], params, OmegaConf.to_container(sweeper.default_params))
     assert "data.max_seq_length" in distributions and len(distributions) >= 2
-    assert set(distributions) <= set(KNOBS), "a knob the report and the certain-OOM rule do not know"
+    assert set(distributions) <= set(knobs.keys()), "a knob the report and the certain-OOM rule do not know"
 
 
 def test_bare_optuna_sweeper_sweeps_the_seed_knobs(root: Path) -> None:
@@ -95,3 +98,33 @@ def test_users_words_map_to_todays_library_fields(root: Path) -> None:
     assert args.max_length == 777 and args.include_num_input_tokens_seen == "non_padding"
     cfg = compose_cfg(["trainer.group_by_length=false", "trainer.output_dir=/tmp/x"])
     assert sft_kwargs(cfg, use_cpu=True)["train_sampling_strategy"] == "random"
+
+
+def _schema_defaults(schema: type) -> set[str]:
+    """The fields of a schema dataclass that carry a default of their own (not MISSING), nested ones dotted."""
+    types = typing.get_type_hints(schema)
+    found = set()
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(types[f.name]):
+            found |= {f"{f.name}.{k}" for k in _schema_defaults(types[f.name])}
+        elif f.default_factory is not dataclasses.MISSING or f.default is not MISSING:
+            found.add(f.name)
+    return found
+
+
+def test_each_default_has_one_home(root: Path) -> None:
+    """A value the group's YAML sets has no default in its schema, so the two can never disagree (a schema default
+    that a YAML option repeats, or contradicts, is a second home for one fact)."""
+    from hydra_plugins.qlora_optuna_sweeper.optuna_sweeper import OptunaSweeperConf
+    from src import config
+
+    schemas = typing.get_type_hints(config.TrainConfig)
+    for group in GROUPS:
+        for option in _options(group):
+            raw = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
+            repeated = {k for k in config.flatten(raw) if k != "defaults"} & _schema_defaults(schemas[group])
+            assert not repeated, f"{group}/{option}.yaml repeats the schema's default for {repeated}"
+    sweeper = OmegaConf.to_container(OmegaConf.load(CONF / "hydra" / "sweeper" / "optuna.yaml"))
+    repeated = set(sweeper) & _schema_defaults(OptunaSweeperConf)
+    assert not repeated, f"conf/hydra/sweeper/optuna.yaml repeats {repeated}"
+    assert "memory_monotone" not in sweeper, "memory rules live in src/knobs.py"

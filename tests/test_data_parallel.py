@@ -37,6 +37,8 @@ def test_two_rank_trial_records_per_rank_peaks(root: Path, mlflow_client) -> Non
     run = _only_run(mlflow_client)
     m = run.data.metrics
     assert run.info.status == "FINISHED" and run.data.tags["ranks"] == "2"
+    config = {a.path for a in mlflow_client.list_artifacts(run.info.run_id, "config")}
+    assert config == {"config/config.yaml", "config/overrides.yaml", "config/hydra.yaml"}  # logged by the parent
     assert {"peak_rss_gib.rank0", "peak_rss_gib.rank1"} <= set(m)
     assert m["peak_rss_gib"] == max(m["peak_rss_gib.rank0"], m["peak_rss_gib.rank1"])
     assert m["tokens_per_s"] > 0 and m["samples_per_s"] > 0
@@ -96,6 +98,6 @@ def _rank(rank: int, kind: str | None = None, at: float | None = None) -> dict:
     ],
 )
 def test_root_cause_is_the_rank_that_failed_first_not_the_first_to_exit(code1, ranks, expected) -> None:
-    from src.trial import _root_cause
+    from src.trial.data_parallel import root_cause
 
-    assert _root_cause(_LAUNCHER_REPORT.format(code1=code1), ranks) == expected
+    assert root_cause(_LAUNCHER_REPORT.format(code1=code1), ranks) == expected

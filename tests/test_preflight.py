@@ -250,8 +250,9 @@ def test_moving_a_4bit_model_is_refused_and_training_still_runs(root: Path) -> N
     from peft import get_peft_model, prepare_model_for_kbit_training
     from trl import SFTConfig, SFTTrainer
 
-    from src import models, trial
+    from src import models
     from src.config import sft_kwargs
+    from src.trial.single import _dataset
 
     cfg = compose_cfg(
         ["model=tiny_llama", "trainer=probe", "trainer.max_steps=1", f"trainer.output_dir={root / 'trainer'}"]
@@ -271,7 +272,7 @@ def test_moving_a_4bit_model_is_refused_and_training_still_runs(root: Path) -> N
     with pytest.raises(ConfigError, match="on a wrapper"):
         wrapped.to("meta")
 
-    dataset, _ = trial._dataset(cfg, tokenizer, world_size=1)
+    dataset, _ = _dataset(cfg, tokenizer, world_size=1)
     trainer = SFTTrainer(
         model=wrapped,
         args=SFTConfig(**sft_kwargs(cfg, use_cpu=True)),

@@ -13,8 +13,6 @@ from typing import Any
 import numpy as np
 import optuna
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from matplotlib.image import imread
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -23,7 +21,8 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from src import promote, report, tracking
-from src.config import PROJECT_DIR, register_configs
+from src.config import PROJECT_DIR, compose
+from src.study import STALE_MESSAGE
 from tests.conftest import run_cli
 
 STUDY = "map"
@@ -193,19 +192,15 @@ def test_promotion_registers_the_best_stable_trial_and_its_settings_compose(swep
     assert text.startswith("# @package _global_\n")
     for needle in (f"study:      {STUDY}", f"trial:      {best.number}", best.run_id, f"version {production}"):
         assert needle in text
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["experiment=production"])
-    GlobalHydra.instance().clear()
+    cfg = compose(["experiment=production"], config_dir=conf)
     for key, value in best.params.items():
         assert OmegaConf.select(cfg, key) == value, key
     assert cfg.trainer.save_adapter is True and cfg.model.name == "tiny_llama"
     assert cfg.trainer.max_steps == -1  # the sweep's 8-step probe is not a production setting
-    measured = tracking.flatten(
+    measured = tracking.params(
         OmegaConf.to_container(OmegaConf.load(sweep.trial_dir(best.number) / ".hydra/config.yaml"))
     )
-    composed = tracking.flatten(OmegaConf.to_container(cfg))
+    composed = tracking.params(OmegaConf.to_container(cfg))
     differ = {k for k in measured.keys() | composed.keys() if measured.get(k) != composed.get(k)}
     assert differ <= PROBE_KEYS, differ
 
@@ -403,3 +398,43 @@ def test_a_storage_password_reaches_neither_the_report_nor_the_production_file(t
     assert password not in text
     lines = promote.header(sweep, promote.choose(sweep), promote.Experiment(), "m", "1", ["--storage", url], False)
     assert any("db-host" in line for line in lines) and not any(password in line for line in lines)
+
+
+def test_a_stale_trial_reads_killed_and_a_retried_one_says_so(tmp_path: Path) -> None:
+    """Optuna's stale-trial machinery fails a trial without labels (a finished trial takes no attributes); a
+    retried trial is known by its retry's `retry_of`."""
+    storage = f"sqlite:///{tmp_path}/stale.db"
+    _hand_made(storage, "stale", [_trial("segfault", 0), _trial(None, 1, reserved=10.0, tokens_per_s=1000.0)])
+    study = optuna.load_study(study_name="stale", storage=storage)
+    study.add_trial(
+        optuna.trial.create_trial(params=_trial(None, 2)["params"], distributions=_SPACE, state=TrialState.FAIL)
+    )
+    study.add_trial(
+        optuna.trial.create_trial(
+            params=_trial(None, 0)["params"],
+            distributions=_SPACE,
+            state=TrialState.FAIL,
+            user_attrs={"retry_of": 0, "failure.kind": "segfault"},
+        )
+    )
+    sweep = report.load("stale", tmp_path / "sweeps", storage=storage)
+    assert [(r.verdict, r.detail, r.failure_kind) for r in sweep.rows] == [
+        ("failed", "segfault at step 2 (retried)", "segfault"),
+        ("stable", "headroom 58%", None),
+        ("failed", "killed", "killed"),
+        ("failed", "segfault", "segfault"),
+    ]
+    assert sweep.rows[2].failure_message == STALE_MESSAGE
+    assert "1 killed" in report.summary(sweep)
+
+
+def test_a_trial_whose_config_is_nowhere_is_not_promoted_and_both_places_are_named(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path}/lost.db"
+    run_id = "0123456789abcdef"
+    _hand_made(storage, "lost", [_trial(None, 0, reserved=10.0, tokens_per_s=1000.0, attrs={"mlflow_run_id": run_id})])
+    sweep = report.load("lost", tmp_path / "sweeps", storage=storage)
+    with pytest.raises(promote.NotPromotable) as refused:
+        promote.trial_config(sweep, sweep.rows[0], f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    assert f"runs:/{run_id}/config/config.yaml" in str(refused.value)
+    assert str(sweep.trial_dir(0) / ".hydra" / "config.yaml") in str(refused.value)
+    assert not (tmp_path / "mlruns").exists(), "a store that is not there is not created"

@@ -26,7 +26,8 @@ import requests
 from optuna.trial import TrialState
 
 from src.config import PROJECT_DIR
-from src.sweep import Slot, SweepEngine
+from src.study import failure_kind, retried_numbers
+from src.sweep.engine import SweepEngine
 from tests.conftest import compose_cfg, run_cli
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ def test_postgres_ask_lock_serializes_workers_and_dies_with_its_holder(
     def critical(engine: SweepEngine) -> None:
         nonlocal inside, most
         for _ in range(5):
-            with engine.ask_lock():
+            with engine.store.lock():
                 with count:
                     inside += 1
                     most = max(most, inside)
@@ -127,9 +128,9 @@ def test_postgres_ask_lock_serializes_workers_and_dies_with_its_holder(
         [
             sys.executable,
             "-c",
-            "import sqlalchemy, sys, time; from src.sweep import _lock_key\n"
+            "import sqlalchemy, sys, time; from src.sweep.storage import lock_key\n"
             f"c = sqlalchemy.create_engine('{storage}').connect()\n"
-            "c.execute(sqlalchemy.text('SELECT pg_advisory_lock(:k)'), {'k': _lock_key('lock')}); c.commit()\n"
+            "c.execute(sqlalchemy.text('SELECT pg_advisory_lock(:k)'), {'k': lock_key('lock')}); c.commit()\n"
             "print('held', flush=True); time.sleep(600)",
         ],
         cwd=PROJECT_DIR,
@@ -140,7 +141,7 @@ def test_postgres_ask_lock_serializes_workers_and_dies_with_its_holder(
         assert holder.stdout.readline().strip() == "held"
 
         def take() -> None:
-            with engines[0].ask_lock():
+            with engines[0].store.lock():
                 pass
 
         waiter = threading.Thread(target=take)
@@ -184,8 +185,8 @@ def test_a_worker_dead_before_naming_its_run_still_leaves_one_closed_run_per_tri
         trial.set_user_attr("worker.host", engine.host)
         trial.set_user_attr("worker.pid", int(dead.stdout))  # a process that has exited
         orphans.append(trial)
-    unnamed = engine.child_run(orphans[0], Slot("cpu0", {}))  # created, never set on the trial
-    engine.recover(study)
+    unnamed = engine.runs.child(orphans[0].number, "cpu0")  # created, never set on the trial
+    engine.store.recover(study)
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL]
     assert trials[0].user_attrs["mlflow_run_id"] == unnamed
@@ -193,7 +194,9 @@ def test_a_worker_dead_before_naming_its_run_still_leaves_one_closed_run_per_tri
     for t in trials:
         run = client.get_run(t.user_attrs["mlflow_run_id"])
         assert run.info.status == "KILLED" and run.data.tags["failure.kind"] == "killed"
-        assert run.data.tags["optuna.trial"] == str(t.number) and run.data.tags["mlflow.parentRunId"] == engine.parent
+        assert (
+            run.data.tags["optuna.trial"] == str(t.number) and run.data.tags["mlflow.parentRunId"] == engine.runs.parent
+        )
 
 
 # ---- two workers, one study, one server --------------------------------------------------------------------
@@ -363,7 +366,9 @@ def test_worker_killed_mid_trial_is_failed_by_heartbeat_and_retried(
                 mine = None
         assert mine is not None, (tmp_path / "victim.log").read_text()[-3000:]
         # As if the victim ran on another node: only its stopped heartbeat can tell that it died.
-        study._storage.set_trial_user_attr(mine._trial_id, "worker.host", "another-node")
+        rdb = optuna.storages.RDBStorage(storage)
+        mine_id = rdb.get_trial_id_from_study_id_trial_number(rdb.get_study_id_from_name(study_name), mine.number)
+        rdb.set_trial_user_attr(mine_id, "worker.host", "another-node")
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         assert survivor.wait(timeout=300) == 0, (tmp_path / "survivor.log").read_text()[-3000:]
@@ -374,11 +379,12 @@ def test_worker_killed_mid_trial_is_failed_by_heartbeat_and_retried(
 
     trials = optuna.load_study(study_name=study_name, storage=storage).get_trials()
     killed = trials[mine.number]
-    assert killed.state == TrialState.FAIL and killed.user_attrs["failure.kind"] == "killed"
-    assert killed.user_attrs["retried"] is True
+    # Failed by Optuna's own stale-trial machinery, which leaves a finished trial's attributes as they were.
+    assert killed.state == TrialState.FAIL and failure_kind(killed) == "killed"
+    assert retried_numbers(trials) == {mine.number}
     retry = [t for t in trials if t.user_attrs.get("retry_of") == mine.number]
     assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == killed.params
-    counted = [t for t in trials if not t.user_attrs.get("retried")]
+    counted = [t for t in trials if t.number not in retried_numbers(trials)]
     assert len(counted) == 2 and not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     assert "failed (killed)" in (tmp_path / "survivor.log").read_text()
 
@@ -486,17 +492,17 @@ def test_scale_out_figures(
 
     from src import tracking
     from src.config import to_container
-    from src.sweep import Outcome
+    from src.sweep.process import Outcome
     from tests.services import start_mlflow_server
 
     monkeypatch.setenv("QLORA_ROOT", str(tmp_path))
     monkeypatch.setenv("PGPASSWORD", postgres.password)
     composed = compose_cfg(["trainer.output_dir=/tmp/unused"])
-    params = tracking.flatten(to_container(OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])))
+    params = tracking.params(to_container(OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])))
     sleep_s = 0.0
 
     def recording_only(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
-        """What a trial process sends to MLflow (src/trial.py), and `sleep_s` where the training would be."""
+        """What a trial process sends to MLflow (src/trial/), and `sleep_s` where the training would be."""
         client, run_id = MlflowClient(), env["MLFLOW_RUN_ID"]
         client.update_run(run_id, status="RUNNING")
         tracking.log_params(client, run_id, params)
@@ -509,7 +515,7 @@ def test_scale_out_figures(
         client.set_terminated(run_id, "FINISHED")
         return Outcome("ok", metrics={"tokens_per_s": 1.0, "peak_vram_reserved_gib": 1.0})
 
-    monkeypatch.setattr("src.sweep.run_process", recording_only)
+    monkeypatch.setattr("src.sweep.engine.run_process", recording_only)
     monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
 
     def engine(study: str, n: int, *extra: str) -> SweepEngine:

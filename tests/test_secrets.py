@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from src import preflight, tracking
+from src import preflight, redact, tracking
 from src.config import PROJECT_DIR
 from tests.conftest import compose_cfg
 
@@ -46,15 +46,15 @@ def tokens() -> dict[str, str]:
 )
 def test_secret_values_are_redacted_in_any_text(text: str) -> None:
     secret = "s3cr3t-Value-9f8e7d6c"  # shaped like nothing in particular: found by its key or place
-    redacted = tracking.redact_text(text.format(v=secret))
-    assert secret not in redacted and tracking.REDACTED in redacted
+    redacted = redact.redact_text(text.format(v=secret))
+    assert secret not in redacted and redact.REDACTED in redacted
 
 
 def test_tokens_and_environment_secrets_are_redacted(monkeypatch: pytest.MonkeyPatch, tokens: dict) -> None:
     monkeypatch.setenv("HF_TOKEN", tokens["env"])
     monkeypatch.setenv("WANDB_API_KEY", "plain-looking-value-123")
     text = f"loaded with {tokens['env']}, prompt: {tokens['prompt']}, wandb plain-looking-value-123"
-    assert tracking.redact_text(text) == "loaded with ***, prompt: ***, wandb ***"
+    assert redact.redact_text(text) == "loaded with ***, prompt: ***, wandb ***"
 
 
 def test_ordinary_values_are_left_alone() -> None:
@@ -62,8 +62,8 @@ def test_ordinary_values_are_left_alone() -> None:
         "tokens_per_s=812.5 max_tokens: 64 pad_token: <|finetune_right_pad_id|> tokenizer: fast "
         "author: me token: null hf_token: ${oc.env:HF_TOKEN} uri=sqlite:///mlruns/mlflow.db"
     )
-    assert tracking.redact_text(text) == text
-    params = tracking.flatten(
+    assert redact.redact_text(text) == text
+    params = tracking.params(
         {"model": {"token": "abc123def456", "pad_token": "<pad>"}, "trainer": {"max_steps": 8}, "data": {"x": None}}
     )
     assert params == {"model.token": "***", "model.pad_token": "<pad>", "trainer.max_steps": "8", "data.x": "None"}
@@ -74,7 +74,7 @@ def test_log_records_are_redacted_on_every_handler(tokens: dict, tmp_path: Path)
     root = logging.getLogger()
     root.addHandler(handler)
     try:
-        tracking.redact_logging()
+        redact.redact_logging()
         logging.getLogger("some.library").warning("auth with %s", tokens["key"])
         try:
             raise RuntimeError(f"bad token {tokens['prompt']}")

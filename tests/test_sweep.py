@@ -17,7 +17,8 @@ import pytest
 from optuna.trial import TrialState
 
 from src.config import PROJECT_DIR
-from src.sweep import Outcome, SweepEngine
+from src.sweep.engine import SweepEngine
+from src.sweep.process import Outcome
 from tests.conftest import compose_cfg, run_cli
 from tests.sweep_scenarios import SCENARIOS
 
@@ -169,7 +170,7 @@ def _fake_sweep(
 ):
     """The engine, in this process, with `process` standing in for each trial's process (no model is built):
     one CPU slot, no progress bar, nothing queued unless `queue_seed`. Returns the composed config."""
-    monkeypatch.setattr("src.sweep.run_process", process)
+    monkeypatch.setattr("src.sweep.engine.run_process", process)
     monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
     cfg = compose_cfg(
         [
@@ -232,7 +233,7 @@ def test_seed_settings_outside_the_users_space_are_not_queued_and_the_sweep_fini
     """The default enqueue_trials holds the seed's lora.r=16; a space of choice(4,8) cannot take it. Optuna
     would fail the ask and leave a RUNNING trial no worker owns, and the sweep would wait for it for ever."""
     space = ["lora.r=choice(4,8)", "data.max_seq_length=choice(512,1024)"]
-    with caplog.at_level("WARNING", logger="src.sweep"):
+    with caplog.at_level("WARNING", logger="src.sweep.engine"):
         cfg = _fake_sweep(monkeypatch, "outside", 3, space, queue_seed=True)
     assert cfg.hydra.sweeper.enqueue_trials[0]["lora.r"] == 16, "the seed's own rank is queued by default"
     trials = _study(root, "outside").get_trials()
@@ -344,7 +345,7 @@ def test_certain_oom_follows_memory_monotone_knobs(root: Path) -> None:
     )
 
     def certain(*args: object, **kwargs: object) -> bool:
-        return engine.certain_oom(study, SimpleNamespace(params=setting(*args, **kwargs))) is not None
+        return engine.rules.certain_oom(study, SimpleNamespace(params=setting(*args, **kwargs))) is not None
 
     assert certain(2048, 8, 16) and certain(4096, 1, 16)  # accumulation never changes the peak
     assert certain(4096, 2, 16, grouped=False)  # nor does the order of the batches
@@ -375,7 +376,7 @@ def test_memory_monotone_typo_is_refused(root: Path) -> None:
 def test_trials_sharing_a_gpu_machine_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     from omegaconf import OmegaConf
 
-    from src.sweep import discover_slots
+    from src.sweep.slots import discover_slots
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 16)
@@ -412,7 +413,7 @@ def test_a_trial_past_its_time_limit_is_killed_as_a_timeout_even_while_it_makes_
     beyond it here): a hung trial is killed with its process group and classified as a timeout."""
     from omegaconf import OmegaConf
 
-    from src.sweep import run_process
+    from src.sweep.process import run_process
 
     sweeper = OmegaConf.create(
         {"trial_timeout_s": 25, "stall_timeout_s": 3600, "heartbeat_interval_s": 10, "preload": False}

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from src import failures, trial
+from src import failures
 from src.data import probe_rows
+from src.trial import single
 from tests.conftest import compose_cfg, run_cli
 
 CONTRACT_METRICS = {
@@ -42,10 +43,10 @@ def test_lora_moves_and_4bit_base_stays_frozen(root: Path) -> None:
 
     out = root / "trial"
     cfg = compose_cfg(["trainer=probe", "trainer.max_steps=3", "measure.warmup_steps=1", f"trainer.output_dir={out}"])
-    client, run_id = trial._open_run(cfg)
+    client, run_id = single.open_run(cfg)
     state = {"client": client, "run_id": run_id}
     out.mkdir()
-    trial._train(cfg, out, state)
+    single.train(cfg, out, state)
     trained = state["trainer"].model
 
     fresh, _ = models.load(cfg)
@@ -109,6 +110,32 @@ def test_trial_records_every_contract_metric_and_tag(root: Path, mlflow_client) 
     assert text.startswith("Step 4:") and "By family:" in text and "matmul" in text
 
 
+def test_trial_run_holds_its_composed_config(root: Path, mlflow_client) -> None:
+    """Promotion rebuilds a trial from its MLflow run alone: the config Hydra composed travels with the run."""
+    import yaml
+
+    done = run_cli("src.train", "trainer=probe", "trainer.max_steps=2", "measure.warmup_steps=1", "lora.r=8", root=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = _only_run(mlflow_client)
+    logged = {a.path for a in mlflow_client.list_artifacts(run.info.run_id, "config")}
+    assert logged == {"config/config.yaml", "config/overrides.yaml", "config/hydra.yaml"}
+    config = Path(mlflow_client.download_artifacts(run.info.run_id, "config/config.yaml", str(root)))
+    assert yaml.safe_load(config.read_text())["lora"]["r"] == 8
+    overrides = Path(mlflow_client.download_artifacts(run.info.run_id, "config/overrides.yaml", str(root)))
+    assert "lora.r=8" in yaml.safe_load(overrides.read_text())
+
+
+def test_without_hydras_saved_config_the_run_holds_the_config_unresolved(root: Path, mlflow_client) -> None:
+    import yaml
+
+    cfg = compose_cfg(["lora.r=8"])
+    client, run_id = single.open_run(cfg)
+    single.log_config(client, run_id, cfg, root / "no-hydra-dir")
+    assert [a.path for a in client.list_artifacts(run_id, "config")] == ["config/config.yaml"]
+    config = yaml.safe_load(Path(client.download_artifacts(run_id, "config/config.yaml", str(root))).read_text())
+    assert config["lora"]["r"] == 8 and config["paths"]["root_dir"] == "${oc.env:QLORA_ROOT,.}"
+
+
 @pytest.mark.parametrize("upcast,dtype", [(True, torch.float32), (False, torch.bfloat16)])
 def test_upcast_non_quantized_decides_the_dtype_of_embeddings_norms_and_lm_head(upcast, dtype, root: Path) -> None:
     from src import models
@@ -133,11 +160,11 @@ def test_compiled_layers_train_the_same_adapter_with_one_graph_for_every_layer(r
             ["trainer=probe", "trainer.max_steps=2", "measure.warmup_steps=1", f"trainer.torch_compile={mode}"]
             + [f"trainer.output_dir={out}", "trainer.packing=true"]
         )
-        client, run_id = trial._open_run(cfg)
+        client, run_id = single.open_run(cfg)
         state = {"client": client, "run_id": run_id}
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        trial._train(cfg, out, state)
+        single.train(cfg, out, state)
         losses[mode] = state["trainer"].state.log_history[-1]["train_loss"]
         layers = state["trainer"].model.base_model.model.model.layers
         if mode == "layers":

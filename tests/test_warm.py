@@ -1,4 +1,4 @@
-"""The forkserver's preload of bitsandbytes, peft and trl (src/warm.py): bitsandbytes' question about the GPU is
+"""The forkserver's preload of bitsandbytes, peft and trl (src/sweep/warm.py): bitsandbytes' question about the GPU is
 answered by NVML while they import, so no CUDA context exists before trials are forked, and torch's own
 function is back afterwards."""
 
@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from src import launcher, warm
 from src.config import PROJECT_DIR
+from src.sweep import launcher, warm
 
 
 def _fake_nvml(capabilities: dict[int, tuple[int, int]]) -> types.ModuleType:
@@ -51,10 +51,10 @@ def test_torch_is_left_alone_where_nvml_cannot_answer(monkeypatch: pytest.Monkey
 
 
 def test_the_preload_imports_the_stack_without_a_cuda_context() -> None:
-    assert "src.warm" in launcher.DEFAULT_PRELOAD
+    assert "src.sweep.warm" in launcher.DEFAULT_PRELOAD
     code = (
-        "import sys, torch, src.warm; "
-        "print(sorted(m for m in src.warm.STACK if m in sys.modules), torch.cuda.is_initialized())"
+        "import sys, torch, src.sweep.warm; "
+        "print(sorted(m for m in src.sweep.warm.STACK if m in sys.modules), torch.cuda.is_initialized())"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_DIR, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -65,7 +65,7 @@ def test_a_preload_that_leaves_children_unable_to_use_cuda_makes_trials_start_fr
     # What initializing CUDA in the forkserver does to its children, where no GPU can show it: torch reports the
     # child as forked from a process with a CUDA context. The probe child must see it, and the engine falls back.
     (tmp_path / "cuda_before_fork.py").write_text("import torch\ntorch.cuda._is_in_bad_fork = lambda: True\n")
-    code = "from src import launcher; print('context:', launcher.forkserver(['torch', 'cuda_before_fork']))"
+    code = "from src.sweep import launcher; print('context:', launcher.forkserver(['torch', 'cuda_before_fork']))"
     env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_DIR}"}
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=PROJECT_DIR, capture_output=True, text=True, timeout=300, env=env

@@ -8,7 +8,7 @@ same way; only the imported code is shared (copy-on-write).
 
 Only modules that leave CUDA alone on import may be preloaded: a process forked after CUDA was initialized
 cannot use it. bitsandbytes reads the device's compute capability as it loads (and peft, trl's trainer and
-`transformers.Trainer` import it); `src.warm` imports them with that question answered by NVML instead. The
+`transformers.Trainer` import it); `src.sweep.warm` imports them with that question answered by NVML instead. The
 forkserver asks torch about GPUs through NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1), and before the first trial a
 probe child checks that CUDA was not initialized before the fork and still works after it; if not, trials
 start as fresh interpreters, with a warning.
@@ -29,7 +29,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Safe to preload (none creates a CUDA context; src.warm imports bitsandbytes, peft and trl without one);
+# Safe to preload (none creates a CUDA context; src.sweep.warm imports bitsandbytes, peft and trl without one);
 # missing ones are skipped.
 DEFAULT_PRELOAD = (
     "torch",
@@ -45,14 +45,13 @@ DEFAULT_PRELOAD = (
     "torchvision",
     "hydra",
     "src.config",
+    "src.redact",
     "src.tracking",
     "src.data",
     "src.models",
     "src.failures",
-    "src.warm",
+    "src.sweep.warm",
 )
-# The launcher's clock when it started a trial (epoch seconds): the trial's start-up is counted from it.
-STARTED_ENV = "QLORA_TRIAL_STARTED"
 _lock = threading.Lock()
 _context: Any = None  # the forkserver context once it proved safe, False once it did not
 
@@ -152,7 +151,7 @@ def _trial_main(argv: list[str], stdout: str, stderr: str, env: dict[str, str]) 
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     faulthandler.enable(file=sys.stderr)  # what PYTHONFAULTHANDLER gives a fresh interpreter
     os.environ.update(env)
-    sys.argv = [str(Path(__file__).with_name("train.py")), *argv]
+    sys.argv = [str(Path(__file__).parent.parent / "train.py"), *argv]
     try:
         runpy.run_module("src.train", run_name="__main__", alter_sys=True)
     finally:

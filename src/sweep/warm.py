@@ -6,7 +6,7 @@ import bitsandbytes, so without this module all four load in every trial: 3-4 s 
 H200 (benchmarks/NOTES.md §4). Here the capability is read from NVML (the driver's management library, which
 opens no CUDA context) for the duration of those imports, and torch's own function is put back afterwards.
 
-`launcher.DEFAULT_PRELOAD` lists this module; the forkserver's probe child checks that CUDA still works after
+`src.sweep.launcher.DEFAULT_PRELOAD` lists this module; the forkserver's probe child checks that CUDA still works after
 the fork, and falls back to fresh interpreters if it does not.
 """
 
@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from src import gpus
+
 log = logging.getLogger(__name__)
 
 STACK = ("bitsandbytes", "peft", "trl", "transformers.trainer")
@@ -26,8 +28,6 @@ STACK = ("bitsandbytes", "peft", "trl", "transformers.trainer")
 
 def nvml_capability(device: Any = None) -> tuple[int, int]:
     """torch.cuda.get_device_capability, answered by NVML (no CUDA context). `device` as torch takes it."""
-    import pynvml
-
     if isinstance(device, torch.cuda.device):
         index = device.idx
     elif isinstance(device, torch.device):
@@ -36,24 +36,7 @@ def nvml_capability(device: Any = None) -> tuple[int, int]:
         index = torch.device(device).index or 0
     else:
         index = 0 if device is None else int(device)
-    visible = _visible_indices()
-    if visible is not None:
-        index = visible[index]
-    pynvml.nvmlInit()
-    try:
-        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(index))
-    finally:
-        pynvml.nvmlShutdown()
-    return int(major), int(minor)
-
-
-def _visible_indices() -> list[int] | None:
-    import os
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or not visible.strip():
-        return None
-    return [int(x) for x in visible.split(",") if x.strip().isdigit()]
+    return gpus.capability(index)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,91 @@
+"""Which GPUs this process may use and what the driver says about them, through NVML (the driver's management
+library, which opens no CUDA context): one home for `CUDA_VISIBLE_DEVICES` and for NVML's set-up, read by the
+sweep's slots, the trial's memory sampler, the forkserver's warm imports, preflight and the run's tags.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+
+def visible() -> list[int] | None:
+    """The physical indices `CUDA_VISIBLE_DEVICES` names, in its order; None when it is unset or empty of
+    numbers (every GPU is visible). An empty string means no GPU: []."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [int(x) for x in value.split(",") if x.strip().isdigit()]
+
+
+def physical_index(index: int) -> int:
+    """The physical (NVML) index of the `index`-th device this process sees."""
+    shown = visible()
+    return shown[index] if shown else index
+
+
+@functools.cache
+def nvml() -> Any:
+    """pynvml, initialized once per process; raises where there is no driver or library."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml
+
+
+def handle(index: int = 0) -> Any:
+    """NVML's handle of the `index`-th device this process sees."""
+    return nvml().nvmlDeviceGetHandleByIndex(physical_index(index))
+
+
+def indices() -> list[int]:
+    """The GPUs a sweep may give its trials: `CUDA_VISIBLE_DEVICES`, else every GPU NVML shows ([] on a CPU)."""
+    shown = visible()
+    if shown is not None:
+        return shown
+    try:
+        return list(range(nvml().nvmlDeviceGetCount()))
+    except Exception:  # no driver, no library: no GPU
+        return []
+
+
+def capability(index: int = 0) -> tuple[int, int]:
+    """A visible device's compute capability, from NVML (no CUDA context). NVML is opened and closed around the
+    question: the forkserver asks it (src/sweep/warm.py) and then forks every trial."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(
+            pynvml.nvmlDeviceGetHandleByIndex(physical_index(index))
+        )
+    finally:
+        pynvml.nvmlShutdown()
+    return int(major), int(minor)
+
+
+def process_bytes(index: int, pid: int) -> int | None:
+    """Device memory NVML attributes to process `pid` on a visible device, or None where NVML cannot see it."""
+    try:
+        for proc in nvml().nvmlDeviceGetComputeRunningProcesses(handle(index)):
+            if proc.pid == pid and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory)
+    except Exception:
+        return None
+    return None
+
+
+def driver() -> dict[str, Any]:
+    """What the driver says, independently of torch: `count` of GPUs, `version`, and `cuda_max` (the newest CUDA
+    it supports); {} without a driver."""
+    try:
+        lib = nvml()
+        cuda = lib.nvmlSystemGetCudaDriverVersion_v2()
+        return {
+            "count": lib.nvmlDeviceGetCount(),
+            "version": str(lib.nvmlSystemGetDriverVersion()),
+            "cuda_max": f"{cuda // 1000}.{cuda % 1000 // 10}",
+        }
+    except Exception:
+        return {}

@@ -1,0 +1,65 @@
+"""The knobs a sweep varies, in one registry: each one's config key, its short label, and how peak memory moves
+as it grows. The sweeper (default `memory_monotone`, the certain-OOM rule), the report (columns, axes) and the
+benchmarks read it here; nothing else lists knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Knob:
+    key: str  # the config key, dotted (data.max_seq_length)
+    label: str  # a report column
+    # How peak memory moves as the value grows: increasing | decreasing (true needs less than false) | neutral
+    # (does not move the peak of one micro-step) | None (no rule: the certain-OOM rule needs the value equal).
+    memory: str | None = None
+
+
+MEMORY_DIRECTIONS = ("increasing", "decreasing", "neutral")
+
+# In report order; the first four are the seed's (the default search space).
+KNOBS: tuple[Knob, ...] = (
+    Knob("data.max_seq_length", "seq", "increasing"),
+    Knob("trainer.gradient_accumulation_steps", "grad_acc", "neutral"),  # each micro-step is the same size
+    Knob("lora.r", "r", "increasing"),
+    # only orders batches: a probe holds the longest rows either way, padded (or packed) to the same shape
+    Knob("trainer.group_by_length", "group_len", "neutral"),
+    Knob("trainer.per_device_train_batch_size", "batch", "increasing"),
+    Knob("trainer.gradient_checkpointing", "ckpt", "decreasing"),  # false (off) needs more than true
+    Knob("model.attn_implementation", "attn"),
+    Knob("trainer.padding_free", "pad_free"),
+    Knob("trainer.packing", "packing"),
+    Knob("trainer.use_liger_kernel", "liger"),
+    Knob("trainer.torch_compile", "compile"),
+    Knob("lora.lora_dropout", "dropout"),
+    Knob("model.upcast_non_quantized", "fp32_rest"),
+    Knob("model.sdpa_backends", "sdpa"),
+    Knob("fault.kind", "fault"),
+)
+BY_KEY: dict[str, Knob] = {k.key: k for k in KNOBS}
+# The seed's four knobs: the default search space.
+SEED_KNOBS = tuple(k.key for k in KNOBS[:4])
+
+
+def keys() -> list[str]:
+    """Every registered knob's key, in report order."""
+    return [k.key for k in KNOBS]
+
+
+def label(key: str) -> str:
+    """A knob's short column name; an unregistered key shows its last segment."""
+    knob = BY_KEY.get(key)
+    return knob.label if knob else key.rsplit(".", 1)[-1]
+
+
+def memory_directions() -> dict[str, Any]:
+    """`hydra.sweeper.memory_monotone`'s default: every knob with a memory rule."""
+    return {k.key: k.memory for k in KNOBS if k.memory is not None}
+
+
+def ordered(found: set[str]) -> list[str]:
+    """`found` keys, registered knobs first in registry order, then the rest sorted."""
+    return [k for k in keys() if k in found] + sorted(found - set(BY_KEY))

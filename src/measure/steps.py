@@ -1,0 +1,156 @@
+"""Per-step measurement of one trial: start-up, step time and tokens/s over warm steps only, allocator and NVML
+peaks, loss (a NaN fails the trial), and the progress file the engine's watchdog reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from transformers import TrainerCallback
+
+from src.failures import NanLossError
+from src.measure.flops import FlopCounter
+from src.measure.memory import GIB, NvmlSampler
+from src.trial.handoff import STARTED_ENV
+
+
+def trial_started() -> float:
+    """When this trial was launched: the engine's clock at launch (handoff.STARTED_ENV, so a forked trial counts
+    its fork too), else this process's start. The kernel's process start time is only as exact as its boot time
+    (whole seconds), so it can be up to a second early."""
+    launched = os.environ.get(STARTED_ENV)
+    if launched:
+        with contextlib.suppress(ValueError):
+            return float(launched)
+    return psutil.Process().create_time()
+
+
+class Measurements(TrainerCallback):
+    """Collects per-step time, tokens and memory; writes the progress file at every step for the watchdog.
+
+    tokens/s counts non-padding tokens (the trainer's `num_input_tokens_seen` in "non_padding" mode) over the steps
+    after `measure.warmup_steps`, timed between synchronized step ends. torch's allocator peaks (allocated,
+    reserved) are exact and cover every step, warm-up included: the peak is what decides OOM, whenever it happens.
+    """
+
+    def __init__(self, cfg: Any, progress_path: Path, world_size: int = 1) -> None:
+        self.warmup = cfg.measure.warmup_steps
+        self.samples_per_step = (
+            cfg.trainer.per_device_train_batch_size * cfg.trainer.gradient_accumulation_steps * world_size
+        )
+        self.progress_path = progress_path
+        self.cuda = torch.cuda.is_available()
+        self.steps: list[dict[str, float]] = []
+        self.losses: list[float] = []
+        self.step = 0
+        self.startup_s: float | None = None
+        self._last_t = 0.0
+        self._last_tokens = 0
+        self.flops: FlopCounter | None = None
+        self.nvml = NvmlSampler(cfg.measure.nvml_interval_s) if self.cuda else None
+        if self.nvml:
+            self.nvml.start()
+        self.write_progress("loading")
+
+    def write_progress(self, phase: str) -> None:
+        tmp = self.progress_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"phase": phase, "step": self.step, "time": time.time()}))
+        tmp.replace(self.progress_path)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if model is not None:
+            self.flops = FlopCounter(model)
+        self._sync()
+        # The per-trial fixed cost: the trial's launch (imports included) to the first step.
+        self.startup_s = time.time() - trial_started()
+        self._last_t = time.perf_counter()
+        self._last_tokens = state.num_input_tokens_seen
+        self.write_progress("training")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._sync()
+        now = time.perf_counter()
+        tokens = state.num_input_tokens_seen
+        self.step = state.global_step
+        record = {"step": self.step, "time_s": now - self._last_t, "tokens": tokens - self._last_tokens}
+        if self.flops is not None:
+            record["flops"] = self.flops.take()
+        if self.cuda:
+            record["vram_reserved_gib"] = torch.cuda.memory_reserved() / GIB
+            record["vram_allocated_gib"] = torch.cuda.memory_allocated() / GIB
+        self.steps.append(record)
+        self._last_t, self._last_tokens = now, tokens
+        self.write_progress("training")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        loss = (logs or {}).get("loss")
+        if loss is None:
+            return
+        self.losses.append(float(loss))
+        if not math.isfinite(float(loss)):
+            raise NanLossError(f"loss became {loss} at step {state.global_step}")
+
+    def summary(self) -> dict[str, float]:
+        """The contract's per-trial metrics from what was measured (partial if the trial failed)."""
+        m: dict[str, float] = {"peak_rss_gib": _max_rss_gib()}
+        if self.startup_s is not None:
+            m["startup_s"] = self.startup_s
+        if self.cuda:
+            m["peak_vram_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+            m["peak_vram_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            if torch.cuda.device_count() > 1:  # model parallel: each card's peak, the largest is the trial's
+                for d in range(torch.cuda.device_count()):
+                    m[f"peak_vram_allocated_gib.cuda{d}"] = torch.cuda.max_memory_allocated(d) / GIB
+                    m[f"peak_vram_reserved_gib.cuda{d}"] = torch.cuda.max_memory_reserved(d) / GIB
+                m["peak_vram_allocated_gib"] = max(
+                    m[f"peak_vram_allocated_gib.cuda{d}"] for d in range(torch.cuda.device_count())
+                )
+                m["peak_vram_reserved_gib"] = max(
+                    m[f"peak_vram_reserved_gib.cuda{d}"] for d in range(torch.cuda.device_count())
+                )
+            stats = torch.cuda.memory_stats()
+            m["alloc_retries"] = float(stats.get("num_alloc_retries", 0))
+            m["alloc_ooms"] = float(stats.get("num_ooms", 0))
+            device = self.nvml.stop() if self.nvml else None
+            if device is not None:
+                m["peak_vram_device_gib"] = device
+        else:
+            # No device: the trial held no device memory.
+            m["peak_vram_allocated_gib"] = 0.0
+            m["peak_vram_reserved_gib"] = 0.0
+        measured = self.steps[self.warmup :]
+        if measured:
+            seconds = sum(s["time_s"] for s in measured)
+            m["step_time_s"] = statistics.median(s["time_s"] for s in measured)
+            m["tokens_per_s"] = sum(s["tokens"] for s in measured) / seconds
+            m["samples_per_s"] = self.samples_per_step * len(measured) / seconds
+            m["measured_steps"] = float(len(measured))
+            if all("flops" in s for s in measured):
+                # Useful model FLOP/s (FlopCounter); MFU is this over the card's measured bf16 matmul rate.
+                m["model_tflops_per_s"] = sum(s["flops"] for s in measured) / seconds / 1e12
+                m["model_params_matmul"] = float(self.flops.params)
+        if self.steps:
+            m["first_step_s"] = self.steps[0]["time_s"]
+        if self.losses:
+            m["train_loss"] = statistics.fmean(self.losses)
+        return m
+
+
+def _max_rss_gib() -> float:
+    import resource
+
+    # ru_maxrss is in KiB on Linux: the process's true peak, not a sample.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2

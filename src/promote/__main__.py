@@ -1,0 +1,133 @@
+"""`python -m src.promote [study]`: the chosen trial registered, the alias moved, its settings written (or, with
+--dry-run, what would change)."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from pathlib import Path
+
+from src import redact, tracking
+from src.promote.choosing import NotPromotable, choose
+from src.promote.experiment import DEFAULT_EXPERIMENT_FILE, header, plan, trial_config
+from src.promote.registry import ALIAS, register, registry_state
+from src.study import StudyNotFound, Sweep, TrialRow, cli_parser, load, places
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = cli_parser("python -m src.promote", "Promote the best stable trial of a study to production.")
+    p.add_argument("--dry-run", action="store_true", help="print what would change; change nothing")
+    p.add_argument("--trial", type=int, help="promote this (stable) trial instead of the best")
+    p.add_argument("--registered-model", help="registry name (default: tracking.registered_model, llama3-qlora)")
+    p.add_argument(
+        "--experiment-file",
+        type=Path,
+        default=DEFAULT_EXPERIMENT_FILE,
+        help="where to write the settings (default: conf/experiment/production.yaml)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mlflow.tracking import MlflowClient
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    where = places(args.tracking_uri)
+    model = args.registered_model or where.registered_model
+    try:
+        sweep = load(args.study, where.sweeps_dir, args.storage, args.margin, where.tracking_uri)
+        row = choose(sweep, args.trial)
+        exp = plan(sweep, row, trial_config(sweep, row, where.tracking_uri))
+    except (StudyNotFound, NotPromotable) as exc:
+        print(f"nothing promoted: {redact.redact_text(str(exc))}", file=sys.stderr)
+        return 1
+    if not row.run_id:
+        print(f"nothing promoted: trial {row.number} names no MLflow run", file=sys.stderr)
+        return 1
+    if not args.dry_run:
+        tracking.setup(where.tracking_uri)
+    client = MlflowClient(where.tracking_uri)
+    state = registry_state(client, model, where.tracking_uri)
+    current = state.production
+    already = current is not None and current.run_id == row.run_id
+    version = str(current.version) if already else str(state.next_version)
+    path = args.experiment_file
+    old = path.read_text() if path.exists() else ""
+    argv = [a for a in argv if a != "--dry-run"]
+    by_hand = args.trial is not None
+    text = exp.text(header(sweep, row, exp, model, version, argv, by_hand))
+    # the header's time stamp alone is not a change
+    unchanged = bool(old) and _body(old) == _body(text) and _model_line(old) == _model_line(text)
+    moving = f"alias {ALIAS}: " + (
+        f"version {current.version} -> {version}" if current else f"new -> version {version}"
+    )
+    if args.dry_run:
+        print(f"dry run: would promote trial {row.number} of study {sweep.name}: {_figures(sweep, row)}")
+        if already:
+            print(f"{model} version {version} (alias {ALIAS}) already is this trial's run: registry unchanged")
+        else:
+            print(f"would register {model} version {version} from run {row.run_id}; {moving}")
+        print(f"would write {path}:" if not unchanged else f"{path} already holds these settings")
+        if not unchanged:
+            print(_diff(old, text, path), end="")
+        return 0
+    if already:
+        print(f"trial {row.number} of study {sweep.name} already is {model} version {version} (alias {ALIAS})")
+    else:
+        description = (
+            f"Trial {row.number} of study {sweep.name}: {_figures(sweep, row)}. Settings: "
+            "conf/experiment/production.yaml (python -m src.train experiment=production); composed config: "
+            f"runs:/{row.run_id}/config/config.yaml."
+        )
+        version = str(register(client, model, sweep, row, description).version)
+        text = exp.text(header(sweep, row, exp, model, version, argv, by_hand))
+        print(
+            f"promoted trial {row.number} of study {sweep.name} ({_figures(sweep, row)}) -> {model} version "
+            f"{version}; {moving}"
+        )
+    if not (already and unchanged):
+        _write(path, text)
+    return 0
+
+
+def _figures(sweep: Sweep, row: TrialRow) -> str:
+    m = row.metrics
+    return (
+        f"{sweep.objectives[0]} {m.get(sweep.objectives[0], float('nan')):.4g} ({sweep.directions[0]}), "
+        f"peak reserved {m.get('peak_vram_reserved_gib', float('nan')):.2f} GiB, "
+        f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}"
+    )
+
+
+def _diff(old: str, new: str, path: Path) -> str:
+    lines = difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"{path} (now)", f"{path} (promoted)")
+    return "".join(lines) or "(no change)\n"
+
+
+def _write(path: Path, text: str) -> None:
+    """The experiment file, replaced at once (a reader never sees half of it), and how to use it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    use = (
+        f"python -m src.train experiment={path.stem}"
+        if path.parent.resolve() == DEFAULT_EXPERIMENT_FILE.parent
+        else f"copy it to {DEFAULT_EXPERIMENT_FILE.parent}/ for experiment={path.stem}"
+    )
+    print(f"wrote {path}; train it: {use}")
+
+
+def _body(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+
+
+def _model_line(text: str) -> str:
+    return next((line for line in text.splitlines() if line.startswith("# registered:")), "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Credentials: how they are recognised (by a key's name, by their shape, or as values this process holds) and
+redacted from every text the project writes: MLflow params and tags, logs, saved configs, reports. The Hydra
+callback that redacts a run's saved config and its log records lives here too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+REDACTED = "***"
+
+# A key names a secret when its last dotted segment is one of these words or ends in `_<word>` (hf_token,
+# use_auth_token, mlflow.password). `tokens_per_s`, `max_tokens` and `tokenizer` do not; special-token keys
+# (pad_token, eos_token, ...) hold vocabulary entries, not credentials.
+_SECRET_WORDS = r"token|secret|password|passwd|passphrase|api[_-]?key|access[_-]?key|private[_-]?key|credentials?|auth"
+_SECRET_KEY = re.compile(rf"(?:^|[_-])(?:{_SECRET_WORDS})$", re.IGNORECASE)
+_SPECIAL_TOKEN_KEY = re.compile(r"^(?:bos|eos|pad|unk|sep|cls|mask|additional_special)_tokens?$", re.IGNORECASE)
+# Values that look like credentials wherever they appear (a config value, a log line, a traceback).
+SECRET_VALUE_PATTERNS = {
+    "a Hugging Face token": re.compile(r"\bhf_[A-Za-z0-9]{20,}"),
+    "a password inside a URI": re.compile(r"(?<=://)[^/\s:@'\"]+:[^/\s@'\"]+(?=@)"),
+    "a password in a query string": re.compile(r"(?i)(?<=[?&;\s]password=)[^&\s'\"]+"),
+    "an API token": re.compile(r"\b(?:sk|ghp|gho|ghs|github_pat|glpat|xox[abprs])[-_][A-Za-z0-9_-]{16,}"),
+    "an HTTP authorization credential": re.compile(
+        r"(?i)(?<=\bbasic )[A-Za-z0-9+/]{12,}={0,2}|(?<=\bbearer )[A-Za-z0-9._~+/-]{12,}=*"
+    ),
+}
+# `key: value`, `key=value`, `"key": "value"`, `'key': 'value'` with a secret key, in any text (YAML, JSON,
+# a Hydra override, a repr): the value is replaced whatever its shape.
+_KEY_VALUE = re.compile(
+    rf"(?P<key>[A-Za-z0-9_.-]*(?:{_SECRET_WORDS}))(?P<sep>[\"']?[ \t]*[:=][ \t]*)"
+    r"(?:(?P<quote>[\"'])(?P<quoted>[^\"'\n]*)(?P=quote)|(?P<value>[^\s\"'`,}\]]+))",
+    re.IGNORECASE,
+)
+_NOT_SECRET_VALUES = {"null", "none", "true", "false", "''", '""', REDACTED}
+# Environment variables whose values are secrets even when they look like nothing in particular.
+# PGPASSWORD has no "_" before its secret word.
+_ENV_SECRET_NAME = re.compile(rf"(?:^|_|^PG)(?:{_SECRET_WORDS}|key)$", re.IGNORECASE)
+_MIN_SECRET_LEN = 8  # shorter values ("1", "true") would redact half the text and protect nothing
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether a config key (dotted or not) names a credential."""
+    last = str(key).rsplit(".", 1)[-1].lstrip("+~")
+    return bool(_SECRET_KEY.search(last)) and not _SPECIAL_TOKEN_KEY.match(last)
+
+
+def secret_values() -> list[str]:
+    """The credentials this process holds: secret-named environment variables and the user's HF login."""
+    values = [v for k, v in os.environ.items() if v and len(v) >= _MIN_SECRET_LEN and _ENV_SECRET_NAME.search(k)]
+    login = _hf_login_token()
+    if login:
+        values.append(login)
+    # Longest first, so a token that contains another is replaced whole.
+    return sorted(set(values), key=len, reverse=True)
+
+
+def _hf_login_token() -> str | None:
+    """The token `hf auth login` stored (found the way huggingface_hub finds it, without importing it)."""
+    home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface")
+    path = Path(os.environ.get("HF_TOKEN_PATH") or home / "token").expanduser()
+    try:
+        return _read_token(str(path), path.stat().st_mtime_ns)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _read_token(path: str, mtime_ns: int) -> str | None:
+    # Cached by modification time: every log record is redacted, and the file changes only on (re)login.
+    token = Path(path).read_text().strip()
+    return token if len(token) >= _MIN_SECRET_LEN else None
+
+
+def _redact_key_value(match: re.Match[str]) -> str:
+    value = match["quoted"] if match["quote"] else match["value"]
+    if not is_secret_key(match["key"]) or value.lower() in _NOT_SECRET_VALUES or value.startswith("${") or not value:
+        return match[0]
+    quote = match["quote"] or ""
+    return f"{match['key']}{match['sep']}{quote}{REDACTED}{quote}"
+
+
+def redact_text(text: str) -> str:
+    """`text` with every credential replaced by ***: known values first, then anything shaped like one."""
+    for value in secret_values():
+        text = text.replace(value, REDACTED)
+    for pattern in SECRET_VALUE_PATTERNS.values():
+        text = pattern.sub(REDACTED, text)
+    return _KEY_VALUE.sub(_redact_key_value, text)
+
+
+def redact_file(path: Path) -> bool:
+    """Redact a text file in place (a log, a saved config); True if it held a secret."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    clean = redact_text(text)
+    if clean == text:
+        return False
+    tmp = path.with_name(path.name + ".redacting")
+    tmp.write_text(clean, encoding="utf-8")
+    tmp.replace(path)
+    return True
+
+
+class RedactingFilter(logging.Filter):
+    """On a handler: the record's message and traceback are redacted before any formatter writes them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            record.msg, record.args = redact_text(record.getMessage()), None
+        except Exception:  # a malformed record: let logging report it, but never with the raw arguments
+            record.msg, record.args = redact_text(str(record.msg)), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+        if record.exc_text:
+            record.exc_text = redact_text(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact_text(record.stack_info)
+        return True
+
+
+def redact_logging() -> None:
+    """Put a RedactingFilter on every handler of the root logger (where Hydra's console and job-log file
+    handlers live): records from any library pass through it, whichever logger emitted them."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
+
+
+class RedactSecrets(Callback):
+    """Hydra callback (hydra.callbacks.redact_secrets, set in conf/preflight/default.yaml).
+
+    Hydra writes the composed config, its own config and the command-line overrides to
+    `<run dir>/.hydra/*.yaml` before the task starts, so an override that carries a token would sit there in
+    clear text even though preflight then refuses the run. This rewrites those files redacted as soon as
+    Hydra has written them, and redacts every log record from then on.
+    """
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        redact_logging()
+        hydra_cfg = config.hydra
+        if hydra_cfg.output_subdir is not None:
+            for path in (Path(hydra_cfg.runtime.output_dir) / str(hydra_cfg.output_subdir)).glob("*.yaml"):
+                redact_file(path)
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        redact_logging()

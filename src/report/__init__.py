@@ -1,0 +1,77 @@
+"""The stability map of a study: which settings are safe on the card, which are marginal, and why the rest fail.
+
+    python -m src.report [study] [--margin 0.1]     # default: the study whose optuna.db changed last
+
+Every trial is classified (src.study) from what the sweep engine recorded in the Optuna storage (the same
+figures MLflow holds): **stable** (finished, headroom against the VRAM budget at least the margin, the allocator
+never had to retry), **marginal** (finished, but under the margin or with allocator retries: one longer batch
+or a fragmented cache away from an OOM), **failed** (by kind), **skipped** (not launched: a repeat of a
+measured setting, or certain to OOM). The table goes to the terminal; `sweeps/<study>/report.md` and its
+pictures go beside the study and onto the sweep's parent MLflow run (artifacts under `report/`), and each
+trial's run gets a `report.class` tag so the MLflow UI can filter by it. `src.promote` uses the same classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from src.knobs import label
+from src.report.importance import Importance, importance
+from src.report.plots import COLOURS, map_axes, plot_map, plot_memory, plot_throughput
+from src.report.publish import log_to_mlflow
+from src.report.text import fmt, markdown, summary, table
+from src.study import DEFAULT_MARGIN, StudyNotFound, Sweep, TrialRow, load, places
+
+__all__ = [
+    "COLOURS",
+    "DEFAULT_MARGIN",
+    "Importance",
+    "Report",
+    "StudyNotFound",
+    "Sweep",
+    "TrialRow",
+    "fmt",
+    "importance",
+    "label",
+    "load",
+    "log_to_mlflow",
+    "main",
+    "markdown",
+    "places",
+    "summary",
+    "table",
+    "write",
+]
+
+
+@dataclass
+class Report:
+    sweep: Sweep
+    files: list[Path]
+    importances: list[Importance]
+    logged_to: str | None
+
+
+def write(sweep: Sweep) -> Report:
+    """report.md and its pictures in the study's folder."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    sweep.study_dir.mkdir(parents=True, exist_ok=True)
+    imps = [importance(sweep, "peak_vram_reserved_gib", "minimize"), importance(sweep, "tokens_per_s", "maximize")]
+    axes = map_axes(sweep, imps[0].values or imps[1].values)
+    files = [sweep.study_dir / n for n in ("report.md", "stability_map.png", "peak_vram.png", "tokens_per_s.png")]
+    plot_map(sweep, *axes, files[1])
+    metric = plot_memory(sweep, *axes, files[2])
+    plot_throughput(sweep, files[3])
+    files[0].write_text(markdown(sweep, imps, axes, metric))
+    return Report(sweep, files, imps, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m src.report` (src/report/__main__.py). Imported when called: `python -m` runs __main__.py
+    itself, and warns when the package has imported it already."""
+    from src.report.__main__ import main as run
+
+    return run(argv)

@@ -1,0 +1,40 @@
+"""`python -m src.report [study]`: the stability map in the terminal, report.md beside the study, both on MLflow."""
+
+from __future__ import annotations
+
+import sys
+
+from src import redact
+from src.report import load, log_to_mlflow, places, table, write
+from src.study import StudyNotFound, cli_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    p = cli_parser("python -m src.report", "The stability map of a study: terminal table, sweeps/<study>/report.md.")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the report to the sweep's parent run")
+    args = p.parse_args(argv)
+    where = places(args.tracking_uri)
+    try:
+        sweep = load(args.study, where.sweeps_dir, args.storage, args.margin, where.tracking_uri)
+    except StudyNotFound as exc:
+        print(f"error: {redact.redact_text(str(exc))}", file=sys.stderr)
+        return 2
+    report = write(sweep)
+    if not args.no_mlflow:
+        report.logged_to = log_to_mlflow(report, where.tracking_uri)
+    console = Console() if sys.stdout.isatty() else Console(width=180)
+    console.print(table(sweep))
+    for imp in report.importances:
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(imp.values.items())[:3])
+        print(f"what moves {imp.target}: {top or imp.note}")
+    best = sweep.best()
+    print(f"report: {report.files[0]}" + (f" (also on MLflow run {report.logged_to})" if report.logged_to else ""))
+    if best:
+        print(f"best stable: trial {best.number}; promote it: python -m src.promote {sweep.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The report in words: the terminal table, the one-line summary, and report.md (redacted)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from src import redact
+from src.knobs import label
+from src.study import Sweep, TrialRow
+
+if TYPE_CHECKING:
+    from src.report.importance import Importance
+
+# Metrics a trial reads slower when other trials share its card (memory figures are each process's own).
+SPEED_METRICS = ("tokens_per_s", "samples_per_s", "step_time_s", "model_tflops_per_s")
+
+_FIGURES = (
+    ("peak_vram_allocated_gib", "alloc GiB", "{:.2f}"),
+    ("peak_vram_reserved_gib", "reserved GiB", "{:.2f}"),
+    ("peak_vram_device_gib", "device GiB", "{:.2f}"),
+    ("vram_headroom_frac", "headroom", "{:.0%}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("step_time_s", "step s", "{:.3f}"),
+)
+
+
+def fmt(value: Any) -> str:
+    """A knob's value as the report shows it (booleans and null in YAML's words)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "-" if value is None else str(value)
+
+
+def _cells(sweep: Sweep, row: TrialRow) -> list[str]:
+    figures = [form.format(row.metrics[m]) if m in row.metrics else "" for m, _, form in _FIGURES]
+    if row.verdict in ("failed", "skipped") and row.metrics.get("peak_vram_reserved_gib", 0) == 0:
+        figures = ["" for _ in figures]  # a failed trial's zeros are "not measured", not "used nothing"
+    return [str(row.number), *(fmt(row.params.get(k)) for k in sweep.knobs), row.verdict, row.detail, *figures]
+
+
+def _headers(sweep: Sweep) -> list[str]:
+    return ["#", *(label(k) for k in sweep.knobs), "class", "detail", *(h for _, h, _ in _FIGURES)]
+
+
+def table(sweep: Sweep) -> Any:
+    """The trials as a rich Table, coloured by class."""
+    from rich.table import Table
+
+    styles = {"stable": "green", "marginal": "yellow", "failed": "red", "skipped": "dim", "pruned": "dim"}
+    t = Table(
+        title=f"{sweep.name}: {summary(sweep)}",
+        title_justify="left",
+        caption=sweep.shared_card_caption(),
+        caption_justify="left",
+    )
+    for h in _headers(sweep):
+        t.add_column(h, justify="right" if h not in ("class", "detail") else "left")
+    for row in sweep.rows:
+        t.add_row(*_cells(sweep, row), style=styles.get(row.verdict))
+    return t
+
+
+def summary(sweep: Sweep) -> str:
+    """The counts in one line: 12 trials, 5 stable, 2 marginal, 5 failed (4 oom, 1 timeout)."""
+    c = sweep.counts()
+    kinds = Counter(r.failure_kind or "other" for r in sweep.rows if r.verdict == "failed")
+    failed = f"{c['failed']} failed" + (f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})" if kinds else "")
+    parts = [f"{len(sweep.rows)} trials", f"{c['stable']} stable", f"{c['marginal']} marginal", failed]
+    parts += [f"{c[k]} {k}" for k in ("skipped", "pruned", "running") if c[k]]
+    return ", ".join(parts)
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    def esc(s: str) -> str:
+        return s.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ---- report.md, section by section --------------------------------------------------------------------------------
+
+
+def markdown(sweep: Sweep, imps: list[Importance], axes: tuple[str | None, str | None], memory_metric: str) -> str:
+    """report.md, with every credential redacted (it names the storage, quotes failure messages, and is
+    uploaded to MLflow as an artifact)."""
+    out = [
+        *_opening(sweep),
+        *_pictures(sweep, axes, memory_metric),
+        *_importances(imps),
+        *_trials(sweep),
+        *_classes(sweep),
+    ]
+    return redact.redact_text("\n".join(out))
+
+
+def _opening(sweep: Sweep) -> list[str]:
+    """The title, the counts, and the best stable setting with the command that promotes it."""
+    objective, direction = sweep.objectives[0], sweep.directions[0]
+    best = sweep.best()
+    shared = sweep.card_shared_by()
+    out = [
+        f"# Stability map: {sweep.name}",
+        "",
+        f"{summary(sweep)}. Budget {sweep.budget:g} GiB, margin {sweep.margin:.0%}."
+        if sweep.budget
+        else f"{summary(sweep)}. Margin {sweep.margin:.0%}.",
+        "",
+    ]
+    if not best:
+        return [*out, "No stable setting: nothing to promote.", ""]
+    m = best.metrics
+    return [
+        *out,
+        f"Best stable setting by the study's objective ({objective}, {direction}): **trial {best.number}** "
+        f"({', '.join(f'{k}={fmt(best.params[k])}' for k in sweep.knobs if k in best.params)}): "
+        f"{m.get(objective, float('nan')):.4g} {objective}, peak reserved {m.get('peak_vram_reserved_gib', 0):.2f} GiB, "
+        f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}"
+        + (
+            f" ({objective} read on a card shared by up to {shared} trials: see Throughput)"
+            if shared > 1 and objective in SPEED_METRICS
+            else ""
+        )
+        + f". Promote it: `python -m src.promote {sweep.name}`.",
+        "",
+    ]
+
+
+def _pictures(sweep: Sweep, axes: tuple[str | None, str | None], memory_metric: str) -> list[str]:
+    """Map, Memory and Throughput: each picture with how to read it."""
+    shared = sweep.card_shared_by()
+    shared_note = (
+        f"Throughput here was read with up to {shared} trials sharing each card (`hydra.sweeper.slots_per_gpu`): "
+        "each ran slower than it would alone, by an amount that depends on what ran beside it, so these figures "
+        "rank settings roughly and are not speeds to quote. Run the settings you care about alone "
+        "(`python -m src.train` with the setting's overrides) before comparing them or quoting one."
+        if shared > 1
+        else ""
+    )
+    x, y = axes
+    return [
+        "## Map",
+        "",
+        "![stability map](stability_map.png)",
+        "",
+        f"Each cell is a pair of {x or 'settings'}{' × ' + y if y else ''}; other knobs may differ within a cell. Its "
+        "colour is the best outcome among the trials there, its text lists every outcome (failures by kind). "
+        "A repeated setting counts once; a setting skipped as a certain OOM shows as an inferred OOM.",
+        "",
+        "## Memory",
+        "",
+        "![peak memory](peak_vram.png)",
+        "",
+        "Peak reserved VRAM (what the allocator held, the figure headroom is measured on) per finished trial; "
+        "filled: stable, hollow: marginal; the line joins the highest peak at each value. Dashed: the budget; "
+        "dotted: the margin below it; crosses: OOMs, drawn at what they held plus what they asked for (capped)."
+        if memory_metric.startswith("peak_vram")
+        else "This study ran without a GPU (peak VRAM 0), so the picture shows peak host RSS instead.",
+        "",
+        "## Throughput",
+        "",
+        "![tokens per second](tokens_per_s.png)",
+        "",
+        *([shared_note, ""] if shared_note else []),
+    ]
+
+
+def _importances(imps: list[Importance]) -> list[str]:
+    """Which knobs matter, per metric, and how that was computed."""
+    out = ["## Which knobs matter", ""]
+    for imp in imps:
+        out.append(f"**{imp.target}** ({imp.n_trials} finished trials)")
+        out.append("")
+        if imp.values:
+            out.append(_md_table(["knob", "importance"], [[k, f"{v:.2f}"] for k, v in imp.values.items()]))
+            out += ["", f"Method: {imp.method}." + (f" Note: {imp.note}." if imp.note else "")]
+        else:
+            out.append(f"{imp.note[0].upper()}{imp.note[1:]}.")
+        out.append("")
+    return [
+        *out,
+        "How these were computed: Optuna's parameter importances (`optuna.importance.get_param_importances`) over "
+        "the trials that finished (stable and marginal; failed and skipped trials have no full measurement), "
+        "with each knob the sweep varied as a parameter and the metric as the value. fANOVA fits a random forest "
+        "and attributes the variance of the metric to each knob (shares sum to 1); PED-ANOVA is used when fANOVA "
+        "cannot fit. Knobs that never changed among those trials are left out.",
+        "",
+    ]
+
+
+def _trials(sweep: Sweep) -> list[str]:
+    """Every trial in a table, then the failures grouped by kind with their commonest messages."""
+    out = ["## Trials", "", _md_table(_headers(sweep), [_cells(sweep, r) for r in sweep.rows]), ""]
+    failures: dict[str, list[TrialRow]] = {}
+    for r in sweep.rows:
+        if r.verdict == "failed":
+            failures.setdefault(r.failure_kind or "other", []).append(r)
+    if failures:
+        out += ["## Failures", ""]
+        for kind, rows in sorted(failures.items(), key=lambda kv: -len(kv[1])):
+            messages = Counter(r.failure_message or "" for r in rows)
+            out.append(f"- **{kind}** ({len(rows)}: trials {', '.join(str(r.number) for r in rows)})")
+            out += [f"  - `{m[:200]}`" + (f" ×{n}" if n > 1 else "") for m, n in messages.most_common(3) if m]
+        out.append("")
+    return out
+
+
+def _classes(sweep: Sweep) -> list[str]:
+    return [
+        "## Classes",
+        "",
+        f"- **stable**: finished, peak reserved VRAM leaves at least {sweep.margin:.0%} of the budget free, and the "
+        "allocator never had to retry (`alloc_retries` 0).",
+        "- **marginal**: finished, but under the margin or with allocator retries: a longer batch or a fragmented "
+        "cache away from an OOM.",
+        "- **failed**: by `failure.kind` (oom, data_error and config_error are the setting's own; the others are "
+        "the process's: segfault, timeout, ...).",
+        "- **skipped**: not launched; the trial it follows from tells its outcome.",
+        "",
+        f"Storage: `{sweep.storage}`. Trial logs: `{sweep.study_dir / 'trials'}`.",
+        "",
+    ]

@@ -1,0 +1,345 @@
+"""A study as the report and the promotion read it, from the Optuna storage and the MLflow tracking URI alone:
+find it, read the sweep's settings, classify every trial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from omegaconf import OmegaConf
+from optuna.distributions import BaseDistribution
+from optuna.trial import FrozenTrial, TrialState
+
+from src import knobs
+from src.config import compose
+
+DEFAULT_MARGIN = 0.10
+CLASSES = ("stable", "marginal", "failed", "skipped", "pruned", "running")
+# A FAIL trial that no one labelled was failed by Optuna's stale-trial machinery (optuna.storages.
+# fail_stale_trials): its worker stopped beating, and a finished trial takes no more attributes.
+STALE_KIND = "killed"
+STALE_MESSAGE = "the sweep worker running this trial died"
+# What the engine records on the sweep's parent run as `sweep.<key>` tags (JSON values).
+_SETTINGS = ("objectives", "headroom_margin", "trial_overrides")
+
+
+class StudyNotFound(LookupError):
+    """The study asked for is not in the storage; the message lists those that are."""
+
+
+def failure_kind(trial: FrozenTrial) -> str | None:
+    """The trial's recorded `failure.kind`; `killed` for a FAIL trial nobody labelled; None otherwise."""
+    kind = trial.user_attrs.get("failure.kind")
+    if kind is None and trial.state == TrialState.FAIL:
+        return STALE_KIND
+    return kind
+
+
+def retried_numbers(trials: Iterable[FrozenTrial]) -> set[int]:
+    """Trials whose settings were queued again (`hydra.sweeper.retry_failed_trials`): the retry counts, not them."""
+    return {int(t.user_attrs["retry_of"]) for t in trials if t.user_attrs.get("retry_of") is not None}
+
+
+# ---- where things are ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Places:
+    sweeps_dir: Path
+    tracking_uri: str
+    registered_model: str
+
+
+def places(tracking_uri: str | None = None) -> Places:
+    """Where the trials put sweeps/ and mlruns/, as `python -m src.train` composes it (QLORA_ROOT honoured)."""
+    cfg = compose()
+    return Places(
+        sweeps_dir=Path(cfg.paths.sweeps_dir),
+        tracking_uri=tracking_uri or str(cfg.tracking.uri),
+        registered_model=str(cfg.tracking.registered_model),
+    )
+
+
+def study_storage(sweeps_dir: Path, name: str) -> str:
+    """A study's default storage (`hydra.sweeper.storage: null`): sweeps/<study>/optuna.db."""
+    return f"sqlite:///{(sweeps_dir / name / 'optuna.db').resolve()}"
+
+
+def find_study(name: str | None, sweeps_dir: Path, storage: str | None = None) -> tuple[str, str]:
+    """(study name, storage URL): the named study, or the latest one; StudyNotFound lists what exists."""
+    if storage:
+        summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+        names = [s.study_name for s in summaries]
+        if name is None:
+            if not summaries:
+                raise StudyNotFound(f"no study in {storage}")
+            latest = max(summaries, key=lambda s: (s.datetime_start is not None, s.datetime_start or 0))
+            return latest.study_name, storage
+        if name not in names:
+            raise StudyNotFound(f"no study '{name}' in {storage}; studies there: {', '.join(sorted(names)) or 'none'}")
+        return name, storage
+    dbs = sorted(sweeps_dir.glob("*/optuna.db"), key=lambda p: p.stat().st_mtime)
+    if name is None:
+        if not dbs:
+            raise StudyNotFound(
+                f"no study under {sweeps_dir} (run a sweep first: python -m src.train -m hydra/sweeper=optuna)"
+            )
+        return dbs[-1].parent.name, study_storage(sweeps_dir, dbs[-1].parent.name)
+    if not (sweeps_dir / name / "optuna.db").exists():
+        found = ", ".join(p.parent.name for p in reversed(dbs)) or "none"
+        raise StudyNotFound(f"no study '{name}' under {sweeps_dir}; studies there (latest first): {found}")
+    return name, study_storage(sweeps_dir, name)
+
+
+def store_exists(tracking_uri: str) -> bool:
+    """False for a SQLite store not made yet: opening it would create it."""
+    return not tracking_uri.startswith("sqlite:///") or Path(tracking_uri.removeprefix("sqlite:///")).exists()
+
+
+def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The arguments `python -m src.report` and `python -m src.promote` share: which study, where, what margin."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("study", nargs="?", help="study name (a folder of sweeps/); default: the latest")
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=None,
+        help="headroom share below which a setting is marginal "
+        f"(default: the sweep's hydra.sweeper.headroom_margin, else {DEFAULT_MARGIN})",
+    )
+    p.add_argument("--storage", help="Optuna storage URL when not sweeps/<study>/optuna.db (e.g. postgresql://...)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking.uri of the project's config)")
+    return p
+
+
+# ---- the trials, classified ------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrialRow:
+    number: int
+    params: dict[str, Any]
+    distributions: dict[str, BaseDistribution]
+    verdict: str  # one of CLASSES
+    detail: str  # why: "oom at step 3", "headroom 6% < 10%", "same setting as trial 2"
+    metrics: dict[str, float]
+    failure_kind: str | None = None
+    failure_message: str | None = None
+    run_id: str | None = None
+    because_of: int | None = None  # skipped: the trial whose outcome stands for this one
+    slot: str | None = None  # the engine's slot: "cuda0", "cuda0#2" (third of the trials sharing card 0), "cpu1"
+
+
+def classify(trial: FrozenTrial, margin: float, retried: bool = False) -> tuple[str, str]:
+    """(class, detail) of one trial. Headroom is the contract's: 1 - peak reserved / budget. `retried`: the
+    sweep queued its setting again (see retried_numbers); an older engine marked the trial itself."""
+    a = trial.user_attrs
+    status = a.get("trial.status")
+    if status == "skipped":
+        origin = a.get("skipped.because_of", a.get("skipped.duplicate_of"))
+        detail = a.get("skipped.reason") or (f"repeat of trial {origin}" if origin is not None else "not launched")
+        return "skipped", str(detail)
+    if trial.state in (TrialState.RUNNING, TrialState.WAITING):
+        return "running", trial.state.name.lower()
+    if status == "pruned" or trial.state == TrialState.PRUNED:
+        return "pruned", "pruned"
+    if status == "ok":
+        return _finished(a, margin)
+    kind = failure_kind(trial) or "other"
+    step = a.get("failure.step")
+    detail = f"{kind} at step {step}" if step is not None else str(kind)
+    return "failed", detail + (" (retried)" if retried or a.get("retried") else "")
+
+
+def _finished(a: dict[str, Any], margin: float) -> tuple[str, str]:
+    """A trial that ran to the end: stable, or marginal with the reasons."""
+    headroom = a.get("vram_headroom_frac")
+    if headroom is None and a.get("peak_vram_reserved_gib") is not None and a.get("vram_budget_gib"):
+        headroom = 1.0 - a["peak_vram_reserved_gib"] / a["vram_budget_gib"]
+    notes = []
+    if headroom is None:
+        notes.append("no VRAM measurement")
+    elif headroom < margin:
+        notes.append(f"headroom {headroom:.0%} < {margin:.0%}")
+    if a.get("alloc_retries"):
+        notes.append(f"{a['alloc_retries']:g} allocator retries")
+    return ("marginal", "; ".join(notes)) if notes else ("stable", f"headroom {headroom:.0%}")
+
+
+@dataclass
+class Sweep:
+    """A study as the report and the promotion see it."""
+
+    name: str
+    storage: str
+    study_dir: Path
+    objectives: list[str]
+    directions: list[str]
+    margin: float
+    budget: float | None
+    knobs: list[str]
+    rows: list[TrialRow]
+    parent_run_id: str | None
+    probe_overrides: list[str]  # hydra.sweeper.trial_overrides: what made each trial a short probe
+
+    def trial_dir(self, number: int) -> Path:
+        return self.study_dir / "trials" / f"{number:03d}"
+
+    def row(self, number: int) -> TrialRow | None:
+        return next((r for r in self.rows if r.number == number), None)
+
+    def counts(self) -> Counter[str]:
+        return Counter(r.verdict for r in self.rows)
+
+    def card_shared_by(self) -> int:
+        """The most trials that ran on one card at once (`hydra.sweeper.slots_per_gpu`), from the slots the
+        trials ran on; 1 when each trial had its card to itself (or ran on a CPU)."""
+        copies: dict[str, set[str]] = {}
+        for r in self.rows:
+            if r.slot and r.slot.startswith("cuda") and "#" in r.slot:
+                card, copy = r.slot.split("#", 1)
+                copies.setdefault(card, set()).add(copy)
+        return max((len(c) for c in copies.values()), default=1)
+
+    def shared_card_caption(self) -> str | None:
+        """Under tokens/s wherever the figures show (picture, terminal table), when trials shared a card."""
+        shared = self.card_shared_by()
+        return (
+            f"tokens/s read with up to {shared} trials sharing a card: a ranking, not solo speeds"
+            if shared > 1
+            else None
+        )
+
+    def varying_knobs(self) -> list[str]:
+        """Knobs that took more than one value: the ones worth a column, an axis or a label."""
+        return [k for k in self.knobs if len({sort_key(r.params.get(k)) for r in self.rows if k in r.params}) > 1]
+
+    def effective(self, row: TrialRow) -> str:
+        """A skipped trial's class on the map: its origin's (a repeat, or a certain OOM), else skipped."""
+        if row.verdict != "skipped":
+            return row.verdict
+        origin = self.row(row.because_of) if row.because_of is not None else None
+        if origin is not None and origin.verdict != "skipped":
+            return origin.verdict
+        return "failed" if row.failure_kind else "skipped"
+
+    def best(self) -> TrialRow | None:
+        """The best stable trial by the first objective (ties: the earlier trial)."""
+        objective, maximize = self.objectives[0], self.directions[0] == "maximize"
+        ranked = [r for r in self.rows if r.verdict == "stable" and objective in r.metrics]
+        if not ranked:
+            return None
+        return max(ranked, key=lambda r: ((1 if maximize else -1) * r.metrics[objective], -r.number))
+
+
+# ---- reading a study ---------------------------------------------------------------------------------------------
+
+
+def sweep_settings(study: optuna.Study, tracking_uri: str | None) -> dict[str, Any]:
+    """The sweep's objectives, headroom margin and per-trial probe overrides. The engine's parent run is the
+    authority (it records what the sweep ran with, command-line overrides included); the project's defaults
+    fill in what it does not hold (no store here, or a run the engine no longer reaches)."""
+    found: dict[str, Any] = {}
+    tags = _parent_tags(study, tracking_uri)
+    for key in _SETTINGS:
+        if f"sweep.{key}" in tags:
+            found[key] = json.loads(tags[f"sweep.{key}"])
+    if isinstance(found.get("objectives"), dict):
+        found["objectives"] = list(found["objectives"])  # {metric: direction}, in the study's order
+    if set(_SETTINGS) - set(found):
+        defaults = compose(["hydra/sweeper=optuna"], hydra_config=True).hydra.sweeper
+        for key in _SETTINGS:
+            value = defaults.get(key)
+            found.setdefault(key, OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+    return found
+
+
+def _parent_tags(study: optuna.Study, tracking_uri: str | None) -> dict[str, str]:
+    parent = study.user_attrs.get("mlflow_parent_run_id")
+    if not (parent and tracking_uri and store_exists(tracking_uri)):
+        return {}
+    try:
+        from mlflow.tracking import MlflowClient
+
+        return dict(MlflowClient(tracking_uri).get_run(parent).data.tags)
+    except Exception:  # noqa: BLE001 - the store is elsewhere or the run gone: the defaults remain
+        return {}
+
+
+def load(
+    name: str | None,
+    sweeps_dir: Path,
+    storage: str | None = None,
+    margin: float | None = None,
+    tracking_uri: str | None = None,
+) -> Sweep:
+    """Read a study and classify every trial. `margin` None: the sweep's own `headroom_margin` (or 10%)."""
+    name, url = find_study(name, sweeps_dir, storage)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=name, storage=url)
+    settings = sweep_settings(study, tracking_uri)
+    objectives = settings.get("objectives") or ["tokens_per_s"]
+    objectives = [objectives] if isinstance(objectives, str) else list(objectives)
+    if margin is None:
+        margin = float(settings.get("headroom_margin") or DEFAULT_MARGIN)
+    trials = study.get_trials(deepcopy=False)
+    retried = retried_numbers(trials)
+    rows = [_row(t, margin, t.number in retried) for t in trials]
+    budgets = [float(t.user_attrs["vram_budget_gib"]) for t in trials if t.user_attrs.get("vram_budget_gib")]
+    return Sweep(
+        name=name,
+        storage=url,
+        study_dir=sweeps_dir / name,
+        objectives=objectives,
+        directions=[d.name.lower() for d in study.directions],
+        margin=margin,
+        budget=max(budgets) if budgets else None,
+        knobs=knobs.ordered({k for r in rows for k in r.params}),
+        rows=rows,
+        parent_run_id=study.user_attrs.get("mlflow_parent_run_id"),
+        probe_overrides=[str(o) for o in settings.get("trial_overrides") or []],
+    )
+
+
+def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
+    verdict, detail = classify(t, margin, retried)
+    a = t.user_attrs
+    origin = a.get("skipped.because_of", a.get("skipped.duplicate_of"))
+    kind = failure_kind(t)
+    stale = kind == STALE_KIND and "failure.kind" not in a
+    return TrialRow(
+        number=t.number,
+        params=dict(t.params),
+        distributions=dict(t.distributions),
+        verdict=verdict,
+        detail=detail,
+        metrics={k: float(v) for k, v in a.items() if _is_metric(k, v)},
+        failure_kind=kind,
+        failure_message=STALE_MESSAGE if stale else a.get("failure.message"),
+        run_id=a.get("mlflow_run_id"),
+        because_of=int(origin) if origin is not None else None,
+        slot=a.get("sweep.slot"),
+    )
+
+
+def _is_metric(key: str, value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and "." not in key
+        and key not in ("mlflow_run_id", "retry_of")
+    )
+
+
+def sort_key(value: Any) -> tuple[int, float | str]:
+    """A sort key over mixed knob values: numbers (bools too) by value, then the rest as text."""
+    if isinstance(value, int | float):
+        return (0, float(value))
+    return (1, str(value))

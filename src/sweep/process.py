@@ -1,0 +1,155 @@
+"""One trial's process: `python -m src.train <overrides>` (or a fork of a warm interpreter) in a session of its
+own, watched for the time limit and for steps that stop coming, and how it ended, read from the trial's own
+result file or, when it died without one, from its exit code and the tail of its stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from src.failures import classify_exit, first_line
+from src.redact import redact_text
+from src.sweep import launcher
+from src.trial.handoff import PROGRESS_FILE, RESULT_FILE, STARTED_ENV
+
+
+@dataclass
+class Outcome:
+    status: str  # ok | failed
+    metrics: dict[str, float] = field(default_factory=dict)
+    failure: dict[str, Any] | None = None
+    recorded: bool = True  # the trial ended its MLflow run itself
+    attention_kernel: str | None = None
+    log_dir: Path | None = None
+    launcher: str = "interpreter"
+
+
+def tail(path: Path, limit: int = 20000) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - limit))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def run_process(
+    overrides: list[str], log_dir: Path, env: dict[str, str], sweeper: DictConfig, heartbeat: Any = None
+) -> Outcome:
+    """Run `python -m src.train overrides` in `log_dir`, watch it, and say how it ended."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (RESULT_FILE, PROGRESS_FILE):
+        (log_dir / stale).unlink(missing_ok=True)
+    argv = [*overrides, f"hydra.run.dir={log_dir}"]
+    cmd = [sys.executable, "-m", "src.train", *argv]
+    (log_dir / "command.txt").write_text(redact_text(" ".join(cmd)) + "\n")
+    extra_env = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env}
+    preload = _preload_modules(sweeper.get("preload"))
+    ctx = launcher.forkserver(preload) if preload else None
+    started = time.time()
+    extra_env[STARTED_ENV] = repr(started)  # the trial's start-up is counted from here (src/measure/)
+    timed_out = False
+    with (log_dir / "stdout.log").open("wb") as out, (log_dir / "stderr.log").open("wb") as err:
+        if ctx is not None:  # forked from the warm interpreter: no imports to pay (src/sweep/launcher.py)
+            proc: Any = launcher.start(ctx, argv, log_dir / "stdout.log", log_dir / "stderr.log", extra_env)
+        else:
+            proc = subprocess.Popen(  # noqa: PLW1509 - the child's own session, see launcher.child_setup
+                cmd, stdout=out, stderr=err, env={**os.environ, **extra_env}, preexec_fn=launcher.child_setup
+            )
+        last_beat = 0.0
+        while proc.poll() is None:
+            time.sleep(0.2)
+            now = time.time()
+            if heartbeat and now - last_beat >= sweeper.heartbeat_interval_s:
+                heartbeat()
+                last_beat = now
+            progress = read_json(log_dir / PROGRESS_FILE)
+            stalled = progress.get("phase") == "training" and now - progress.get("time", now) > sweeper.stall_timeout_s
+            if now - started > sweeper.trial_timeout_s or stalled:
+                timed_out = True
+                why = (
+                    f"{sweeper.stall_timeout_s:g}s without a step"
+                    if stalled
+                    else (f"hydra.sweeper.trial_timeout_s={sweeper.trial_timeout_s:g}")
+                )
+                stop_process_group(proc)
+    how = "forkserver" if ctx is not None else "interpreter"
+    result = read_json(log_dir / RESULT_FILE)
+    if result and not timed_out:
+        return Outcome(
+            status=result["status"],
+            metrics=result.get("metrics", {}),
+            failure=result.get("failure"),
+            attention_kernel=result.get("attention_kernel"),
+            log_dir=log_dir,
+            launcher=how,
+        )
+    stderr = tail(log_dir / "stderr.log")
+    progress = read_json(log_dir / PROGRESS_FILE)
+    kind = classify_exit(proc.returncode, stderr, timed_out=timed_out)
+    step = progress.get("step", 0) + 1 if progress.get("phase") == "training" else None
+    if timed_out:
+        message = f"killed by the watchdog after {time.time() - started:.0f}s ({why})"
+    else:
+        sig = -proc.returncode if proc.returncode < 0 else None
+        message = first_line(_last_error_line(stderr)) or (
+            f"process ended by signal {signal.Signals(sig).name}" if sig else f"process exited with {proc.returncode}"
+        )
+    return Outcome(
+        "failed",
+        failure={"kind": kind, "message": message, "step": step},
+        recorded=False,
+        log_dir=log_dir,
+        launcher=how,
+    )
+
+
+def _preload_modules(setting: Any) -> list[str]:
+    """`hydra.sweeper.preload`: false (fresh interpreters), true (launcher.DEFAULT_PRELOAD) or a module list."""
+    if not setting:
+        return []
+    if setting is True:
+        return list(launcher.DEFAULT_PRELOAD)
+    return [str(m) for m in setting]
+
+
+def _last_error_line(stderr: str) -> str:
+    for line in reversed(stderr.strip().splitlines()):
+        if any(w in line for w in ("Error", "error", "Fatal", "fault", "Killed")):
+            return line
+    return ""
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """End a process started in a session of its own and everything it spawned: SIGTERM to the group, SIGKILL
+    after `grace_s`, then SIGKILL to whatever of the group outlived its leader (a rank, a server's workers)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

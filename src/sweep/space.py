@@ -1,0 +1,78 @@
+"""The search space: Optuna distributions from hydra-optuna-sweeper's grammar (choice, range, interval,
+tag(log, ...)), which command-line overrides are swept, and whether a setting lies inside the space.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+
+from src.config import override_value
+
+
+def distribution(override: Override) -> BaseDistribution | Any:
+    """An Optuna distribution from a sweep override; a plain override's value as it is."""
+    if not override.is_sweep_override():
+        return override.value()
+    value = override.value()
+    if override.is_choice_sweep():
+        # A list or dict choice (model.sdpa_backends=choice([flash,efficient],[math])) is kept as its Hydra text,
+        # which Optuna can store and override_value passes through as a literal.
+        choices = [c if isinstance(c, str | int | float | bool) or c is None else override_value(c) for c in value.list]
+        return CategoricalDistribution(choices)
+    if override.is_range_sweep():
+        ints = all(isinstance(x, int) for x in (value.start, value.stop, value.step))
+        if ints:
+            return IntDistribution(int(value.start), int(value.stop) - int(value.step), step=int(value.step))
+        return FloatDistribution(value.start, value.stop - value.step, step=value.step)
+    if override.is_interval_sweep():
+        log_scale = "log" in value.tags
+        if isinstance(value.start, int) and isinstance(value.end, int):
+            return IntDistribution(value.start, value.end, log=log_scale)
+        return FloatDistribution(value.start, value.end, log=log_scale)
+    raise ValueError(f"hydra.sweeper.params: cannot turn '{override.input_line}' into a search space")
+
+
+def contains(dist: BaseDistribution, value: Any) -> bool:
+    """Whether `dist` can take `value` (a categorical's choices; a numeric range's bounds and step)."""
+    if isinstance(dist, CategoricalDistribution):
+        return value in dist.choices
+    if isinstance(dist, IntDistribution | FloatDistribution):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if isinstance(dist, IntDistribution) and value != int(value):
+            return False
+        if not dist.low <= value <= dist.high:
+            return False
+        return dist.step is None or abs((value - dist.low) / dist.step - round((value - dist.low) / dist.step)) < 1e-8
+    return False
+
+
+def outside_space(params: dict[str, Any], distributions: dict[str, BaseDistribution]) -> list[str]:
+    """'key=value (space)' for each of `params` the space holds but whose value it cannot take."""
+    return [
+        f"{key}={value} ({distributions[key]})"
+        for key, value in params.items()
+        if key in distributions and not contains(distributions[key], value)  # a key not swept: Optuna ignores it
+    ]
+
+
+def split_arguments(
+    arguments: list[str], params: dict[str, Any], default_params: dict[str, Any], custom: bool = False
+) -> tuple[list[str], dict[str, Any]]:
+    """Command-line overrides: plain ones go to every trial, sweep ones join (and win over) `params`.
+    `default_params` is the space only when neither `params`, the command line nor a custom space defines one."""
+    parser = OverridesParser.create()
+    fixed: list[str] = []
+    cli_space: dict[str, Any] = {}
+    for override in parser.parse_overrides(arguments):
+        if override.is_sweep_override():
+            cli_space[override.get_key_element()] = distribution(override)
+        else:
+            fixed.append(override.input_line)
+    base = params if (params or cli_space or custom) else default_params
+    space = {key: distribution(parser.parse_override(f"{key}={value}")) for key, value in base.items()}
+    return fixed, {**space, **cli_space}

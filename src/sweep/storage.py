@@ -1,0 +1,200 @@
+"""The study in its Optuna RDB storage: opening it (sampler, seeds of joining workers), the lock every worker takes
+to count and ask, and recovery of trials whose worker died (a dead process on this host, or a heartbeat that
+stopped on any host, through Optuna's own stale-trial machinery).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import optuna
+import sqlalchemy
+from filelock import FileLock
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.trial import FrozenTrial, TrialState
+
+from src.study import STALE_KIND, STALE_MESSAGE, retried_numbers, study_storage
+
+log = logging.getLogger(__name__)
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+# What a trial whose worker died is told: in its user attrs while it can take them, on its MLflow run always.
+DEAD_WORKER = {"kind": STALE_KIND, "message": STALE_MESSAGE, "step": None}
+
+# Called with (study, trial) for each trial whose worker died, to close its MLflow run; returns the run's id.
+OnDead = Callable[[optuna.Study, FrozenTrial], str | None]
+
+
+class StudyStore:
+    def __init__(self, sweeper: DictConfig, study_name: str, study_dir: Path, host: str, on_dead: OnDead) -> None:
+        self.sweeper = sweeper
+        self.study_name = study_name
+        self.study_dir = study_dir
+        self.host = host
+        self.on_dead = on_dead
+        self._lock_engine: sqlalchemy.Engine | None = None
+        self.storage: optuna.storages.RDBStorage | None = None
+        self.study_id: int | None = None
+
+    @property
+    def url(self) -> str:
+        return self.sweeper.storage or study_storage(self.study_dir.parent, self.study_name)
+
+    def open(self, directions: list[str], distributions: dict[str, BaseDistribution]) -> optuna.Study:
+        self.study_dir.mkdir(parents=True, exist_ok=True)
+        url = self.url
+        engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+        sampler_cfg = OmegaConf.to_container(self.sweeper.sampler, resolve=True) if self.sweeper.sampler else None
+        if (
+            sampler_cfg
+            and sampler_cfg.get("_target_", "").endswith("GridSampler")
+            and not sampler_cfg.get("search_space")
+        ):
+            sampler_cfg["search_space"] = {
+                k: list(d.choices) for k, d in distributions.items() if isinstance(d, CategoricalDistribution)
+            }
+        if not url.startswith(("sqlite", "postgresql")):
+            log.warning("storage %s: only workers on this host are serialized (a file lock)", url.split(":")[0])
+        # Under the lock: workers started at once on an empty database would race to create Optuna's tables.
+        with self.lock():
+            self.storage = optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=self.sweeper.heartbeat_interval_s,
+                grace_period=self.sweeper.grace_period_s,
+                heartbeat_stale_trial_callback=self._stale,
+            )
+            study = optuna.create_study(
+                study_name=self.study_name, storage=self.storage, directions=directions, load_if_exists=True
+            )
+            joined = int(study.user_attrs.get("sweep.processes", 0))
+            study.set_user_attr("sweep.processes", joined + 1)
+        self.study_id = self.storage.get_study_id_from_name(self.study_name)
+        if sampler_cfg and sampler_cfg.get("seed") is not None:
+            # Processes of one study seeded alike would propose the same points: each process that joins
+            # later (another worker, a resumed sweep) draws from a seed of its own; the first keeps the seed.
+            sampler_cfg["seed"] += joined
+        if sampler_cfg:
+            study.sampler = instantiate(sampler_cfg)
+        return study
+
+    # -- trials by number (the storage's public API addresses trials by id) --
+
+    def trial_id(self, number: int) -> int:
+        return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+
+    def get(self, number: int) -> FrozenTrial:
+        return self.storage.get_trial(self.trial_id(number))
+
+    def set_attrs(self, number: int, attrs: dict[str, Any]) -> None:
+        trial_id = self.trial_id(number)
+        for key, value in attrs.items():
+            self.storage.set_trial_user_attr(trial_id, key, value)
+
+    def heartbeat(self, number: int) -> None:
+        self.storage.record_heartbeat(self.trial_id(number))
+
+    # -- the lock --
+
+    def lock(self) -> AbstractContextManager:
+        """Serializes count-then-ask across every worker of the study: a file lock for SQLite (the database is
+        on this host anyway), a PostgreSQL advisory lock for a PostgreSQL storage (workers on any host)."""
+        if self.url.startswith("postgresql"):
+            return self._advisory_lock(self.url)
+        return FileLock(str(self.study_dir / ".ask.lock"))
+
+    @contextmanager
+    def _advisory_lock(self, url: str) -> Iterator[None]:
+        """`pg_advisory_lock` on a connection of its own, held for the critical section only. The server
+        drops the lock with the connection, so a worker that dies inside never blocks the others."""
+        if self._lock_engine is None:
+            # NullPool: one fresh connection per critical section (once per trial), never one left idle
+            self._lock_engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        key = lock_key(self.study_name)
+        with self._lock_engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            conn.commit()  # nothing else rides on this connection's transaction
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+                conn.commit()
+
+    # -- what the study holds --
+
+    def occupied(self, study: optuna.Study) -> int:
+        """Finished and running trials, a retried trial counted once (by its retry)."""
+        retried = retried_numbers(study.get_trials(deepcopy=False))
+        trials = study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+        return sum(1 for t in trials if t.number not in retried)
+
+    def others_running(self, study: optuna.Study) -> list[FrozenTrial]:
+        """Running trials of other sweep processes (this process's own are watched by its own threads)."""
+        me = (self.host, os.getpid())
+        return [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if (t.user_attrs.get("worker.host"), t.user_attrs.get("worker.pid")) != me
+        ]
+
+    # -- recovery --
+
+    def recover(self, study: optuna.Study) -> None:
+        """Fail trials whose worker is gone: on any host, its heartbeat expired (Optuna's own rule and machinery,
+        which calls `_stale` for each); on this host, its process is dead (no need to wait for the heartbeat)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            here = t.user_attrs.get("worker.host") == self.host
+            if here and not _alive(t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started")):
+                # Still running in the storage: what it died of is written first (Optuna freezes a finished trial).
+                run_id = self.on_dead(study, t)
+                attrs = {f"failure.{k}": v for k, v in DEAD_WORKER.items() if v is not None}
+                attrs["trial.status"] = "failed"
+                if run_id and "mlflow_run_id" not in t.user_attrs:
+                    attrs["mlflow_run_id"] = run_id
+                self.set_attrs(t.number, attrs)
+                if self.storage.set_trial_state_values(self.trial_id(t.number), TrialState.FAIL):
+                    self._requeue(study, t)
+
+    def _stale(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Optuna failed `trial` (its heartbeat stopped): close its MLflow run, queue it again if asked."""
+        self.on_dead(study, trial)
+        self._requeue(study, trial)
+
+    def _requeue(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if self.sweeper.retry_failed_trials:
+            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+        log.warning("trial %d was left running by a dead worker: failed (killed)", trial.number)
+
+
+def lock_key(study_name: str) -> int:
+    """A stable signed 64-bit key for pg_advisory_lock, one per study (Python's hash() differs per process)."""
+    digest = hashlib.blake2b(f"qlora-sweep:{study_name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def create_time(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:
+        return None
+
+
+def _alive(pid: int | None, started: float | None) -> bool:
+    if pid is None:
+        return False
+    created = create_time(int(pid))
+    return created is not None and (started is None or abs(created - started) < 1.0)

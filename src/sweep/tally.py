@@ -1,0 +1,95 @@
+"""What a sweep process shows while it runs and when it ends: counts of trials by outcome, the best so far, a
+progress bar on the terminal, and the closing summary with where everything went.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Any
+
+import optuna
+from omegaconf import DictConfig
+
+from src.redact import redact_text
+from src.study import failure_kind, retried_numbers
+from src.sweep.storage import FINISHED
+
+
+class Tally:
+    def __init__(self, study_name: str, objective: str, maximize: bool) -> None:
+        self.study_name = study_name
+        self.objective = objective
+        self.maximize = maximize
+        self.counts: Counter[str] = Counter()
+        self.best: tuple[float, int] | None = None
+        self.bar: Any = None
+
+    def refresh(self, study: optuna.Study) -> None:
+        """Recount the finished trials (a retried one counts by its retry); running ones are counted as they go."""
+        running = self.counts["running"]
+        self.counts = Counter(running=running)
+        best = None
+        trials = study.get_trials(deepcopy=False)
+        retried = retried_numbers(trials)
+        for t in trials:
+            if t.state not in FINISHED or t.number in retried:
+                continue
+            self.counts["finished"] += 1
+            status = t.user_attrs.get("trial.status")
+            if status == "skipped":
+                self.counts["skipped"] += 1
+            elif status == "ok":
+                self.counts["ok"] += 1
+                value = t.user_attrs.get(self.objective)
+                if value is not None and (best is None or (value > best[0]) == self.maximize):
+                    best = (value, t.number)
+            else:
+                self.counts[f"failed_{failure_kind(t) or 'other'}"] += 1
+                self.counts["failed"] += 1
+        self.best = best
+
+    def start_bar(self, sweeper: DictConfig) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=sweeper.n_trials,
+            initial=min(self.counts["finished"], sweeper.n_trials),
+            desc=self.study_name,
+            unit="trial",
+            disable=not sweeper.progress,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+
+    def show(self, finished: int = 0) -> None:
+        """Advance the bar by `finished` trials and show the counts beside it."""
+        if self.bar is None:
+            return
+        if finished:
+            self.bar.update(finished)
+        failed = " ".join(f"{k[7:]}={v}" for k, v in sorted(self.counts.items()) if k.startswith("failed_"))
+        best = f" best={self.best[0]:.4g} {self.objective} (#{self.best[1]})" if self.best else ""
+        skipped = f" skipped={self.counts['skipped']}" if self.counts["skipped"] else ""
+        self.bar.set_postfix_str(
+            f"running={self.counts['running']} ok={self.counts['ok']}{skipped} {failed}{best}".strip()
+        )
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def summary(self, storage_url: str, tracking_uri: str, trials_dir: Any, custom_storage: bool) -> str:
+        failed = ", ".join(f"{v} {k[7:]}" for k, v in sorted(self.counts.items()) if k.startswith("failed_"))
+        lines = [
+            f"\nstudy '{self.study_name}': {self.counts['finished']} trials finished, {self.counts['ok']} ok, "
+            f"{self.counts['skipped']} skipped as repeats" + (f", failed: {failed}" if failed else "")
+        ]
+        if self.best:
+            lines.append(f"best {self.objective}: {self.best[0]:.4g} (trial {self.best[1]})")
+        lines.append(f"storage: {storage_url}  |  MLflow: {tracking_uri} (experiment '{self.study_name}')")
+        report = f"python -m src.report {self.study_name}"
+        if custom_storage:  # not where the report looks by default
+            report += f" --storage {storage_url} --tracking-uri {tracking_uri}"
+        lines.append(f"trial logs: {trials_dir}  |  map: {report}")
+        return redact_text("\n".join(lines))

@@ -1,0 +1,285 @@
+"""A trial in this process: open its MLflow run, train with trl's SFTTrainer, measure, and record the outcome.
+
+Whatever happens inside, the trial's MLflow run ends (FINISHED or FAILED, never RUNNING) with
+`trial.status`, the failure's kind, step and first line, and the full traceback as an artifact; the outcome
+is also written to `<output dir>/result.json` for the sweep engine. A failure that kills the process
+outright (segfault, SIGKILL, a hang) is recorded by the engine from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from src import tracking
+from src.config import to_container
+from src.failures import ConfigError, DataError, Failure, classify_exception, first_line, oom_request_gib
+from src.trial.handoff import PROGRESS_FILE, RESULT_FILE, RUN_ENV
+
+HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")  # what Hydra saves under <run dir>/.hydra/
+
+
+def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """Run one trial and record it; returns the outcome (also written to result.json)."""
+    state: dict[str, Any] = {}
+    _mark(state, "python_and_hydra")  # the interpreter (or the fork) and Hydra's composition of the config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    client, run_id = open_run(cfg)
+    launch_blocking = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
+    state.update(client=client, run_id=run_id)
+    _mark(state, "python_and_mlflow")
+    failure: Failure | None = None
+    try:
+        if not client.get_run(run_id).data.params:  # a re-run (CUDA_LAUNCH_BLOCKING) keeps the first's
+            tracking.log_params(client, run_id, tracking.params(to_container(cfg)))
+            log_config(client, run_id, cfg, out_dir)
+        _mark(state, "log_params")
+        tags = tracking.system_tags()  # imports torch and creates the CUDA context (device properties)
+        _mark(state, "torch_and_cuda")
+        tracking.set_tags(client, run_id, {**tags, "model.name": cfg.model.name})
+        train(cfg, out_dir, state)
+    except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits
+        failure = failure_of(exc, state.get("meas"))
+        name = "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt"
+        tracking.log_text(client, run_id, traceback.format_exc(), name)
+    return record(cfg, out_dir, state, failure)
+
+
+def open_run(cfg: DictConfig) -> tuple[Any, str]:
+    """The run the engine created for this trial (handoff.RUN_ENV), or a new one for a single trial."""
+    from mlflow.tracking import MlflowClient
+
+    tracking.setup(cfg.tracking.uri)
+    client = MlflowClient()
+    run_id = os.environ.get(RUN_ENV)
+    if run_id:
+        client.update_run(run_id, status="RUNNING")
+    else:
+        exp = tracking.experiment_id(cfg.tracking.experiment, str(Path(cfg.paths.mlruns_dir) / "artifacts"))
+        run_id = client.create_run(exp, tags={"mlflow.runName": f"{cfg.model.name}-trial"}).info.run_id
+    return client, run_id
+
+
+def log_config(client: Any, run_id: str, cfg: DictConfig, out_dir: Path) -> None:
+    """The trial's composed config as artifacts `config/<name>`, so a run alone says how to repeat it: the files
+    Hydra saved under `<out_dir>/.hydra/` (already redacted by src.redact's callback), else the config itself."""
+    for name in HYDRA_FILES:
+        saved = out_dir / ".hydra" / name
+        if saved.exists():
+            text = saved.read_text()
+        elif name == "config.yaml":  # composed without Hydra's run dir: unresolved, as Hydra would have saved it
+            text = OmegaConf.to_yaml(cfg)
+        else:
+            continue
+        tracking.log_text(client, run_id, text, f"config/{name}")  # redacted again
+
+
+def train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
+    """Preflight, load the 4-bit model, attach LoRA and train it with SFTTrainer, logging to `state`'s run. What
+    was built (measurements, trainer, probes) stays in `state` for the outcome, even when this raises."""
+    import torch
+    from hydra.utils import instantiate
+    from trl import SFTConfig, SFTTrainer
+
+    from src import models, preflight
+    from src.config import sft_kwargs
+    from src.measure import Measurements, cap_to_budget
+
+    _mark(state, "libraries")
+    if cfg.measure.profile_startup:  # where the start-up goes, function by function (startup_profile.txt)
+        import cProfile
+
+        state["startup_profiler"] = cProfile.Profile()
+        state["startup_profiler"].enable()
+    client, run_id = state["client"], state["run_id"]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # The watchdog reads the trial's progress file; in a data-parallel trial rank 0 writes it.
+    progress = out_dir / PROGRESS_FILE if int(os.environ.get("RANK", "0")) == 0 else state["rank_dir"] / PROGRESS_FILE
+    state["meas"] = Measurements(cfg, progress, world_size=world_size)
+    _preflight(cfg, client, run_id)
+    _mark(state, "preflight")
+
+    state["budget"] = cap_to_budget(cfg.hardware.vram_budget_gib)
+    _mark(state, "budget_cap")
+    model, tokenizer = models.load(cfg)
+    _mark(state, "model_load")
+    model = preflight.guard_device_moves(model)  # a 4-bit / dispatched model must never be moved with .to()
+    model = models.prepare_for_kbit_training(model, cfg)
+    _mark(state, "kbit_prepare")
+    dataset, stats = _dataset(cfg, tokenizer, world_size=world_size)
+    tracking.log_metrics(client, run_id, stats)
+    _mark(state, "dataset")
+    model = models.attach_lora(model, instantiate(cfg.lora, _convert_="all"))
+    trainer = SFTTrainer(  # trl casts the adapters to bf16 on a 4-bit base, as it does with a peft_config
+        model=model,
+        args=SFTConfig(**sft_kwargs(cfg, use_cpu=not torch.cuda.is_available())),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    for callback in _callbacks(cfg, out_dir, state):
+        trainer.add_callback(callback)
+    if cfg.trainer.torch_compile == "layers":
+        models.compile_layers(trainer.model)  # compiles in the first steps (first_step_s), not here
+    state["trainer"] = trainer
+    _mark(state, "trainer_init")
+    if state.get("startup_profiler") is not None:
+        state["startup_profiler"].disable()
+        text = _profile_text(state["startup_profiler"])
+        (out_dir / "startup_profile.txt").write_text(text)
+        tracking.log_text(client, run_id, text, "startup_profile.txt")
+    with models.attention_kernels(cfg):
+        trainer.train()
+    if state.get("profiler") is not None and state["profiler"].text:
+        tracking.log_text(client, run_id, state["profiler"].text, "profile.txt")
+    if cfg.trainer.save_adapter:
+        adapter = out_dir / "adapter"
+        trainer.model.save_pretrained(adapter)
+        client.log_artifacts(run_id, str(adapter), "adapter")
+
+
+def _preflight(cfg: DictConfig, client: Any, run_id: str) -> None:
+    """Refuse a trial before any GPU work (ConfigError, DataError); the run keeps what preflight found either way."""
+    from src import preflight
+
+    try:
+        report = preflight.run(cfg)
+    except (ConfigError, DataError) as exc:
+        found = getattr(exc, "report", None)  # none when the data could not even be read
+        if found is not None:
+            tracking.log_text(client, run_id, found.to_text(), "preflight.txt")
+            tracking.set_tags(client, run_id, found.tags())
+        raise
+    tracking.log_text(client, run_id, report.to_text(), "preflight.txt")
+    tracking.set_tags(client, run_id, report.tags())
+
+
+def _callbacks(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> list[Any]:
+    """The trainer's callbacks, in the order the trainer calls them; the probes are also kept in `state`."""
+    from src import preflight
+    from src.faults import FaultInjector
+    from src.measure import AttentionProbe, StepProfiler
+
+    probe = state["attention"] = AttentionProbe(at_step=max(1, cfg.measure.warmup_steps))
+    guards = preflight.CheckpointingGuard(cfg.trainer.gradient_checkpointing)
+    callbacks = [probe, state["meas"], guards, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)]
+    if cfg.measure.profile_step:
+        state["profiler"] = StepProfiler(cfg.measure.profile_step, out_dir / "profile.txt")
+        callbacks.insert(1, state["profiler"])
+    return callbacks
+
+
+def _dataset(cfg: DictConfig, tokenizer: Any, world_size: int) -> tuple[Any, dict[str, float]]:
+    """The chat dataset for this trial (a probe gets a subset that holds the longest rows) and length stats."""
+    import numpy as np
+    from datasets import Dataset
+
+    from src.data import length_stats, load_table, probe_rows, to_messages, token_lengths
+
+    df = load_table(cfg.data)
+    chats = to_messages(df, cfg.data)
+    lengths, _ = token_lengths(chats, tokenizer)
+    truncated = np.minimum(lengths, cfg.data.max_seq_length)
+    t = cfg.trainer
+    if t.max_steps > 0:
+        rows = t.max_steps * t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size
+        pack_to = cfg.data.max_seq_length if t.packing else None  # packed rows fill up like a full epoch's
+        keep = probe_rows(truncated, rows, t.per_device_train_batch_size, cfg.data.seed, pack_to=pack_to)
+        chats = [chats[i] for i in keep]
+    stats = {f"data.{k}": v for k, v in length_stats(lengths).items()}
+    stats["data.rows"] = float(len(df))
+    stats["data.rows_truncated"] = float((lengths > cfg.data.max_seq_length).sum())
+    return Dataset.from_dict({"messages": chats}), stats
+
+
+def _mark(state: dict[str, Any], phase: str) -> None:
+    """Seconds from the trial's launch to the end of a start-up phase (metrics `startup.<phase>_s`): where the
+    per-trial fixed cost goes."""
+    from src.measure import trial_started
+
+    state.setdefault("phases", {})[f"startup.{phase}_s"] = time.time() - trial_started()
+
+
+def _profile_text(profiler: Any, limit: int = 40) -> str:
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(limit)
+    return out.getvalue()
+
+
+def failure_of(exc: BaseException, meas: Any, rank: int | None = None) -> Failure:
+    """The failure, with the step that was running once training had begun (a NaN loss is seen after its step)."""
+    kind = "killed" if isinstance(exc, KeyboardInterrupt) else classify_exception(exc)
+    step = None
+    if meas is not None and meas.startup_s is not None:
+        step = meas.step if kind == "nan_loss" else meas.step + 1
+    return Failure(kind, first_line(f"{type(exc).__name__}: {exc}"), step, rank)
+
+
+def record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Failure | None) -> dict[str, Any]:
+    """Log what was measured and the outcome's tags, write result.json, and end the run FINISHED or FAILED."""
+    client, run_id = state["client"], state["run_id"]
+    meas = state.get("meas")
+    budget = float(cfg.hardware.vram_budget_gib)
+    try:
+        metrics: dict[str, float] = meas.summary() if meas else dict(state.get("metrics", {}))
+    except Exception as exc:  # a measurement bug must not lose the trial's outcome
+        tracking.log_text(client, run_id, traceback.format_exc(), "measurement_error.txt")
+        metrics = {}
+        if failure is None:
+            failure = Failure("other", first_line(f"measurement failed: {type(exc).__name__}: {exc}"))
+    metrics["vram_budget_gib"] = budget
+    if "peak_vram_reserved_gib" in metrics:
+        metrics["vram_headroom_frac"] = 1.0 - metrics["peak_vram_reserved_gib"] / budget
+    metrics.update(state.get("budget", {}))
+    metrics.update(state.get("phases", {}))
+    if failure and failure.kind == "oom":
+        requested = oom_request_gib(failure.message)
+        if requested is not None:
+            metrics["oom_request_gib"] = requested
+    tracking.log_metrics(client, run_id, metrics)
+    if meas:
+        _log_series(client, run_id, meas)
+    tags: dict[str, Any] = {"trial.status": "failed" if failure else "ok"}
+    if "attention" in state:
+        tags["attention.kernel"] = state["attention"].tag
+    elif state.get("attention_tag"):
+        tags["attention.kernel"] = state["attention_tag"]
+    if failure:
+        tags.update({"failure.kind": failure.kind, "failure.message": failure.message, "failure.step": failure.step})
+        if failure.rank is not None:
+            tags["failure.rank"] = failure.rank
+    tracking.set_tags(client, run_id, tags)
+    result = {
+        "status": "failed" if failure else "ok",
+        "run_id": run_id,
+        "metrics": metrics,
+        "failure": failure.as_dict() if failure else None,
+        "attention_kernel": tags.get("attention.kernel"),
+    }
+    (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
+    client.set_terminated(run_id, "FAILED" if failure else "FINISHED")
+    return result
+
+
+def _log_series(client: Any, run_id: str, meas: Any) -> None:
+    """Per-step series: reserved VRAM (the contract's), step seconds and loss."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    series = [Metric("step_seconds", s["time_s"], now, int(s["step"])) for s in meas.steps]
+    series += [
+        Metric("vram_reserved_gib", s["vram_reserved_gib"], now, int(s["step"]))
+        for s in meas.steps
+        if "vram_reserved_gib" in s
+    ]
+    series += [Metric("loss", loss, now, i + 1) for i, loss in enumerate(meas.losses)]
+    for i in range(0, len(series), 500):
+        client.log_batch(run_id, metrics=series[i : i + 500])
