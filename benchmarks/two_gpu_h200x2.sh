@@ -16,7 +16,7 @@ python3 -m src.train -m hydra/sweeper=optuna "${COMMON[@]}" hydra.sweeper.study_
   hydra.sweeper.n_trials=4 "hydra.sweeper.trial_overrides=['trainer.max_steps=6']" "lora.r=choice(8,16,32,64)"
 kill $SMI
 python3 -m src.train "${COMMON[@]}" trainer=probe hardware.parallelism=model_parallel hydra.run.dir=$QLORA_ROOT/mp || true
-python3 -m src.train "${COMMON[@]}" trainer=probe hardware.parallelism=data_parallel hydra.run.dir=$QLORA_ROOT/dp || true
+python3 -m src.train "${COMMON[@]}" trainer=probe hardware.parallelism=data_parallel model.device_map=null hydra.run.dir=$QLORA_ROOT/dp || true
 python3 - <<'PY'
 import json, os, pathlib
 root = pathlib.Path(os.environ["QLORA_ROOT"])

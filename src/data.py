@@ -16,39 +16,117 @@ import pandas as pd
 
 from src.failures import DataError
 
+# Cells are read as text, as written: `NA`, `null` or `None` in a cell is a sentence or an answer (`null` is valid
+# JSON), not a missing value; only a cell with nothing in it is empty (preflight reports those).
 READERS = {
-    ".xlsx": lambda p, sheet: pd.read_excel(p, sheet_name=sheet or 0, dtype=str),
-    ".xls": lambda p, sheet: pd.read_excel(p, sheet_name=sheet or 0, dtype=str),
-    ".csv": lambda p, sheet: pd.read_csv(p, dtype=str, keep_default_na=True),
-    ".jsonl": lambda p, sheet: pd.read_json(p, lines=True, dtype=False),
+    ".xlsx": lambda p, sheet: pd.read_excel(p, sheet_name=sheet or 0, dtype=str, na_filter=False),
+    ".xls": lambda p, sheet: pd.read_excel(p, sheet_name=sheet or 0, dtype=str, na_filter=False),
+    ".csv": lambda p, sheet: pd.read_csv(p, dtype=str, keep_default_na=False, na_filter=False),
+    ".jsonl": lambda p, sheet: read_jsonl(p),
     ".parquet": lambda p, sheet: pd.read_parquet(p),
 }
+EXCEL = (".xlsx", ".xls")
+FORMATS = "xlsx|csv|jsonl|parquet"
 
 
 def load_table(data_cfg: Any) -> pd.DataFrame:
     """Read the data file; a missing file, unknown format or missing column names the key to fix."""
     path = Path(data_cfg.path)
+    if path.is_dir():
+        raise DataError(_a_directory(path))
     if not path.is_file():
-        raise DataError(f"data.path: file not found: {path} (set data.path=/path/to/file.xlsx|csv|jsonl|parquet)")
+        raise DataError(f"data.path: file not found: {path} (set data.path=/path/to/file.{FORMATS})")
     reader = READERS.get(path.suffix.lower())
     if reader is None:
         raise DataError(f"data.path: unsupported format '{path.suffix}' for {path}; use one of {sorted(READERS)}")
+    sheets = _sheet_names(path, data_cfg.sheet) if path.suffix.lower() in EXCEL else []
     try:
         df = reader(path, data_cfg.sheet)
+    except DataError:
+        raise
     except Exception as exc:  # a corrupt file is a data problem, whatever the parser raised
         raise DataError(f"data.path: cannot read {path}: {exc}") from exc
     for key in ("input_column", "output_column"):
         column = data_cfg[key]
         if column not in df.columns:
-            raise DataError(
-                f"data.{key}: column '{column}' not in {path.name} (columns: {list(df.columns)}); "
-                f"set data.{key}=<one of them>"
-            )
+            raise DataError(_missing_column(data_cfg, key, path, list(df.columns), sheets))
     if data_cfg.max_rows:
         df = df.head(data_cfg.max_rows)
     # Row numbers as a person sees them in the sheet (header is row 1).
     df.index = pd.RangeIndex(2, len(df) + 2, name="row")
     return df
+
+
+def read_jsonl(path: Path) -> pd.DataFrame:
+    """One JSON object per line. A line that is not one is named by its number, as an editor shows it (pandas
+    gives a byte position). A JSON null is a missing cell; the text "null" is text."""
+    records = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"data.path: line {number} of {path.name}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{where} is not valid JSON ({exc.msg}, column {exc.colno}): {line.strip()[:120]}"
+                ) from None
+            if not isinstance(record, dict):
+                kind = _JSON_TYPES.get(type(record), type(record).__name__)
+                raise DataError(f"{where} is a JSON {kind}, not an object of column: value: {line.strip()[:120]}")
+            records.append(record)
+    return pd.DataFrame.from_records(records)
+
+
+_JSON_TYPES = {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _a_directory(path: Path) -> str:
+    found = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in READERS)
+    if not found:
+        kinds = [suffix.lstrip(".") for suffix in READERS]
+        return (
+            f"data.path: {path} is a directory with no {', '.join(kinds[:-1])} or {kinds[-1]} file in it; "
+            f"set data.path=/path/to/file.{FORMATS}"
+        )
+    shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+    return f"data.path: {path} is a directory, not a data file; it holds {shown}: set data.path={path / found[0]}"
+
+
+def _sheet_names(path: Path, sheet: str | None) -> list[str]:
+    """The workbook's sheets; a data.sheet that is not one of them is refused by name."""
+    try:
+        with pd.ExcelFile(path) as book:
+            names = [str(n) for n in book.sheet_names]
+    except Exception:  # unreadable: the reader's own error says why
+        return []
+    if sheet is not None and sheet not in names:
+        listed = ", ".join(repr(n) for n in names)
+        raise DataError(
+            f"data.sheet: {path.name} has no sheet '{sheet}' (its sheets: {listed}); set data.sheet=<one of them>"
+        )
+    return names
+
+
+def _missing_column(data_cfg: Any, key: str, path: Path, columns: list[str], sheets: list[str]) -> str:
+    """A column that is not there; in a workbook, the sheets that do hold the columns."""
+    column = data_cfg[key]
+    if not sheets:
+        return f"data.{key}: column '{column}' not in {path.name} (columns: {columns}); set data.{key}=<one of them>"
+    read = data_cfg.sheet or sheets[0]
+    where = f"sheet '{read}'" if data_cfg.sheet else f"the first sheet ('{read}')"
+    wanted = {data_cfg.input_column, data_cfg.output_column}
+    with pd.ExcelFile(path) as book:
+        holding = [s for s in sheets if s != read and wanted <= set(book.parse(s, nrows=0).columns)]
+    hint = (
+        f"sheet '{holding[0]}' has both columns ('{data_cfg.input_column}', '{data_cfg.output_column}'): "
+        f"set data.sheet={holding[0]}"
+        if holding
+        else f"no sheet holds both (sheets: {', '.join(repr(s) for s in sheets)}); set data.{key}=<one of them>"
+        " or data.sheet=<the sheet with the data>"
+    )
+    return f"data.{key}: column '{column}' is not on {where} of {path.name} (its columns: {columns}); {hint}"
 
 
 def cell(value: Any) -> str:
@@ -77,6 +155,20 @@ def token_lengths(chats: list[list[dict[str, str]]], tokenizer: Any) -> tuple[np
         [c[:-1] for c in chats], tokenize=True, add_generation_prompt=True, return_dict=False
     )
     return np.array([len(x) for x in full]), np.array([len(x) for x in prompts])
+
+
+def truncation(full: np.ndarray, prompt: np.ndarray, max_seq_length: int) -> dict[str, float]:
+    """What `max_seq_length` cuts from the data, as shares of its rows. trl keeps a row's start, so the answer at its
+    end is what is cut: `truncated_answer_frac` (answers that lose tokens: what preflight.max_truncated_answer_frac
+    limits) equals `truncated_row_frac` (rows cut at all); `truncated_answer_lost_frac`: answers cut whole."""
+    if len(full) == 0:
+        return {"truncated_row_frac": 0.0, "truncated_answer_frac": 0.0, "truncated_answer_lost_frac": 0.0}
+    over = full > max_seq_length
+    return {
+        "truncated_row_frac": float(over.mean()),
+        "truncated_answer_frac": float(over.mean()),
+        "truncated_answer_lost_frac": float((over & (prompt >= max_seq_length)).mean()),
+    }
 
 
 def length_stats(lengths: np.ndarray) -> dict[str, float]:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 KINDS = (
     "oom",
+    "host_oom",
     "launch_failure",
     "illegal_memory_access",
     "device_assert",
@@ -29,7 +30,9 @@ KINDS = (
 )
 # Errors after which the CUDA context is poisoned: worth one re-run with CUDA_LAUNCH_BLOCKING=1.
 STICKY_CUDA = ("launch_failure", "illegal_memory_access", "device_assert", "cublas")
-# Failures caused by the setting's memory: the sampler should learn to avoid them (constraint violation).
+# Failures caused by the setting's memory: the sampler should learn to avoid them (constraint violation). The
+# card's memory only: `host_oom` (the machine's RAM ran out, or its OOM killer struck) says nothing about how much
+# VRAM a setting needs, so it is the process's failure, like a segfault or a kill.
 MEMORY = ("oom",)
 
 
@@ -56,9 +59,23 @@ class Failure:
         return asdict(self)
 
 
+# The device's allocators name their device; an allocation failure that names none is the host's.
+_DEVICE_OOM = (
+    r"(CUDA|HIP|XPU|MPS backend) out of memory|CUDA (error|driver error|failure):? '?out of memory|"
+    r"torch\.(cuda\.)?OutOfMemoryError|"
+    r"CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|"
+    r"out of memory at line \d+ in file \S+\.cu\b"  # bitsandbytes' CUDA check: the driver's words, then its file
+)
+# The host: torch's CPU allocator, Python, libc's ENOMEM, the kernel's OOM killer (dmesg) and SLURM's cgroup.
+_HOST_OOM = (
+    r"DefaultCPUAllocator|can't allocate memory|Cannot allocate memory|\bMemoryError\b|std::bad_alloc|"
+    r"Out of memory: Kill(ed)? process|oom[-_]kill|out-of-memory handler|out of memory"
+)
+
 # (kind, pattern) in order: the first match wins.
 _PATTERNS = [
-    ("oom", r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|can't allocate memory"),
+    ("oom", _DEVICE_OOM),
+    ("host_oom", _HOST_OOM),
     ("launch_failure", r"unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|launch timed out"),
     (
         "illegal_memory_access",
@@ -109,8 +126,10 @@ def classify_text(text: str) -> str | None:
 def classify_exception(exc: BaseException) -> str:
     """The kind of an exception caught inside the trial process."""
     names = {cls.__name__ for cls in type(exc).__mro__}
-    if "OutOfMemoryError" in names:
-        return "oom"
+    if "MemoryError" in names:
+        return "host_oom"
+    if "OutOfMemoryError" in names:  # torch's, raised by a device allocator (the CPU one raises RuntimeError)
+        return "host_oom" if classify_text(str(exc)) == "host_oom" else "oom"
     if "NanLossError" in names:
         return "nan_loss"
     if "DataError" in names:
@@ -130,6 +149,8 @@ def classify_exit(returncode: int, stderr_tail: str = "", *, timed_out: bool = F
     """The kind of a trial process that ended without recording its own failure."""
     if timed_out:
         return "timeout"
+    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and classify_text(stderr_tail) == "host_oom":
+        return "host_oom"  # the kernel's OOM killer (or SLURM's cgroup) said so; a bare SIGKILL stays `killed`
     if returncode < 0:
         sig = -returncode
         if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE):

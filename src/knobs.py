@@ -16,6 +16,9 @@ class Knob:
     # How peak memory moves as the value grows: increasing | decreasing (true needs less than false) | neutral
     # (does not move the peak of one micro-step) | None (no rule: the certain-OOM rule needs the value equal).
     memory: str | None = None
+    # The value that saves memory on a recipe that does not fit (a "lever" the sweep tries on the user's recipe);
+    # None: not a lever. "half" halves a number (a batch).
+    lever: Any = None
 
 
 MEMORY_DIRECTIONS = ("increasing", "decreasing", "neutral")
@@ -27,15 +30,16 @@ KNOBS: tuple[Knob, ...] = (
     Knob("lora.r", "r", "increasing"),
     # only orders batches: a probe holds the longest rows either way, padded (or packed) to the same shape
     Knob("trainer.group_by_length", "group_len", "neutral"),
-    Knob("trainer.per_device_train_batch_size", "batch", "increasing"),
-    Knob("trainer.gradient_checkpointing", "ckpt", "decreasing"),  # false (off) needs more than true
-    Knob("model.attn_implementation", "attn"),
+    Knob("trainer.per_device_train_batch_size", "batch", "increasing", lever="half"),
+    # false (off) needs more than true: recomputing activations keeps one layer's instead of all of them
+    Knob("trainer.gradient_checkpointing", "ckpt", "decreasing", lever=True),
+    Knob("model.attn_implementation", "attn", lever="sdpa"),  # fused kernels keep no L x L scores
     Knob("trainer.padding_free", "pad_free"),
     Knob("trainer.packing", "packing"),
     Knob("trainer.use_liger_kernel", "liger"),
     Knob("trainer.torch_compile", "compile"),
     Knob("lora.lora_dropout", "dropout"),
-    Knob("model.upcast_non_quantized", "fp32_rest"),
+    Knob("model.upcast_non_quantized", "fp32_rest", lever=False),  # bf16 embeddings, norms and lm_head
     Knob("model.sdpa_backends", "sdpa"),
     Knob("fault.kind", "fault"),
 )
@@ -53,6 +57,11 @@ def label(key: str) -> str:
     """A knob's short column name; an unregistered key shows its last segment."""
     knob = BY_KEY.get(key)
     return knob.label if knob else key.rsplit(".", 1)[-1]
+
+
+def levers() -> list[Knob]:
+    """The knobs with a memory-saving value to try on a recipe that does not fit, in registry order."""
+    return [k for k in KNOBS if k.lever is not None]
 
 
 def memory_directions() -> dict[str, Any]:

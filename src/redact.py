@@ -1,6 +1,7 @@
-"""Credentials: how they are recognised (by a key's name, by their shape, or as values this process holds) and
-redacted from every text the project writes: MLflow params and tags, logs, saved configs, reports. The Hydra
-callback that redacts a run's saved config and its log records lives here too.
+"""Credentials: how they are recognised (by a key's name, by their shape, or as values this process holds), what a
+refusal says (where the credential belongs instead), and how they are redacted from every text the project writes:
+MLflow params and tags, logs, saved configs, reports. The Hydra callback that redacts a run's saved config and its
+log records lives here too.
 """
 
 from __future__ import annotations
@@ -78,6 +79,46 @@ def _read_token(path: str, mtime_ns: int) -> str | None:
     # Cached by modification time: every log record is redacted, and the file changes only on (re)login.
     token = Path(path).read_text().strip()
     return token if len(token) >= _MIN_SECRET_LEN else None
+
+
+def credential_in(value: str, held: list[str] | None = None) -> str | None:
+    """What credential `value` holds, by its shape ("a Hugging Face token", "a password inside a URI") or as one of
+    the values this process holds (`held`, default secret_values()); None when it holds none."""
+    what = next((name for name, pattern in SECRET_VALUE_PATTERNS.items() if pattern.search(value)), None)
+    if what is None and any(secret in value for secret in (secret_values() if held is None else held)):
+        what = "a credential this process also holds in its environment"
+    return what
+
+
+def refusal(key: str, value: Any, held: list[str] | None = None) -> str | None:
+    """Why the value at `key` (a config key, or a command-line option such as --storage) must not be there, and where
+    the credential belongs instead; None when it holds none. Read before interpolation: `${oc.env:HF_TOKEN}` is the
+    environment's and allowed. The message never repeats the value."""
+    if not isinstance(value, str) or not value or value.startswith("${"):
+        return None
+    what = credential_in(value, held)
+    if what is None and is_secret_key(key) and value.lower() not in ("none", "null"):
+        what = "a credential (by its key's name)"
+    return f"{key} holds {what}. {_advice(key, what)}" if what else None
+
+
+def _advice(key: str, what: str) -> str:
+    if key.startswith("-"):
+        where = f"take it out of {key}"
+    elif is_secret_key(key):
+        where = f"delete {key} from the config file or the command line"
+    else:
+        where = f"take it out of {key} (in the config file or on the command line)"
+    if "URI" in what or key.startswith(("tracking.", "hydra.sweeper", "--")):
+        return (
+            f"Credentials never go in a config or an override: {where} and hand them to the service through "
+            "the environment (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD for an MLflow server; "
+            "PGPASSWORD, or ~/.pgpass, for a PostgreSQL database)."
+        )
+    return (
+        f"Tokens never go in a config or an override: {where} and export the token as the HF_TOKEN "
+        "environment variable (or run `hf auth login` once); transformers and huggingface_hub read it there."
+    )
 
 
 def _redact_key_value(match: re.Match[str]) -> str:

@@ -8,7 +8,7 @@ import argparse
 import json
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,9 @@ STALE_KIND = "killed"
 STALE_MESSAGE = "the sweep worker running this trial died"
 # What the engine records on the sweep's parent run as `sweep.<key>` tags (JSON values).
 _SETTINGS = ("objectives", "headroom_margin", "trial_overrides")
+# Also a parent tag: the truncation policy the trials would have had outside the sweep (a sweep measures settings
+# that cut answers instead of refusing them; promotion still refuses them).
+_POLICY = "max_truncated_answer_frac"
 
 
 class StudyNotFound(LookupError):
@@ -135,6 +138,14 @@ class TrialRow:
     run_id: str | None = None
     because_of: int | None = None  # skipped: the trial whose outcome stands for this one
     slot: str | None = None  # the engine's slot: "cuda0", "cuda0#2" (third of the trials sharing card 0), "cpu1"
+    recipe: bool = False  # the user's recipe (the sweep's first enqueued trial)
+    # A lever trial: the recipe's params plus these overrides ("trainer.gradient_checkpointing=true"); it shares
+    # its params with the recipe, so whatever groups trials by params leaves it out (see Sweep.plain_rows)
+    lever: list[str] = field(default_factory=list)
+
+    def change(self) -> str:
+        """A lever's overrides as the report's "change" column shows them: "gradient_checkpointing=true"."""
+        return ", ".join(short_override(o) for o in self.lever)
 
 
 def classify(trial: FrozenTrial, margin: float, retried: bool = False) -> tuple[str, str]:
@@ -188,6 +199,9 @@ class Sweep:
     rows: list[TrialRow]
     parent_run_id: str | None
     probe_overrides: list[str]  # hydra.sweeper.trial_overrides: what made each trial a short probe
+    # preflight.max_truncated_answer_frac as the trials would have composed it without the sweep's relaxation:
+    # a setting that cuts more answers keeps its class (about memory) but is never the best or promoted
+    max_truncated_answer_frac: float | None = None
 
     def trial_dir(self, number: int) -> Path:
         return self.study_dir / "trials" / f"{number:03d}"
@@ -217,9 +231,23 @@ class Sweep:
             else None
         )
 
+    def plain_rows(self) -> list[TrialRow]:
+        """The trials of the map: lever trials left out (their params are the recipe's, their setting is not)."""
+        return [r for r in self.rows if not r.lever]
+
     def varying_knobs(self) -> list[str]:
         """Knobs that took more than one value: the ones worth a column, an axis or a label."""
-        return [k for k in self.knobs if len({sort_key(r.params.get(k)) for r in self.rows if k in r.params}) > 1]
+        rows = self.plain_rows()
+        return [k for k in self.knobs if len({sort_key(r.params.get(k)) for r in rows if k in r.params}) > 1]
+
+    def cut_answers(self, row: TrialRow) -> float | None:
+        """The share of answers the trial's max_seq_length cuts (`truncated_answer_frac`), where recorded."""
+        return row.metrics.get("truncated_answer_frac")
+
+    def cuts_too_much(self, row: TrialRow) -> bool:
+        """The trial cuts more answers than the sweep's truncation policy allows: never best, never promoted."""
+        cut, allowed = self.cut_answers(row), self.max_truncated_answer_frac
+        return cut is not None and allowed is not None and cut > allowed
 
     def effective(self, row: TrialRow) -> str:
         """A skipped trial's class on the map: its origin's (a repeat, or a certain OOM), else skipped."""
@@ -231,9 +259,12 @@ class Sweep:
         return "failed" if row.failure_kind else "skipped"
 
     def best(self) -> TrialRow | None:
-        """The best stable trial by the first objective (ties: the earlier trial)."""
+        """The best stable trial by the first objective (ties: the earlier trial), among those that cut no more
+        answers than the truncation policy allows."""
         objective, maximize = self.objectives[0], self.directions[0] == "maximize"
-        ranked = [r for r in self.rows if r.verdict == "stable" and objective in r.metrics]
+        ranked = [
+            r for r in self.rows if r.verdict == "stable" and objective in r.metrics and not self.cuts_too_much(r)
+        ]
         if not ranked:
             return None
         return max(ranked, key=lambda r: ((1 if maximize else -1) * r.metrics[objective], -r.number))
@@ -243,21 +274,22 @@ class Sweep:
 
 
 def sweep_settings(study: optuna.Study, tracking_uri: str | None) -> dict[str, Any]:
-    """The sweep's objectives, headroom margin and per-trial probe overrides. The engine's parent run is the
-    authority (it records what the sweep ran with, command-line overrides included); the project's defaults
-    fill in what it does not hold (no store here, or a run the engine no longer reaches)."""
+    """The sweep's objectives, headroom margin, per-trial probe overrides and truncation policy. The engine's
+    parent run is the authority (it records what the sweep ran with, command-line overrides included); the
+    project's defaults fill in what it does not hold (no store here, or a run the engine no longer reaches)."""
     found: dict[str, Any] = {}
     tags = _parent_tags(study, tracking_uri)
-    for key in _SETTINGS:
+    for key in (*_SETTINGS, _POLICY):
         if f"sweep.{key}" in tags:
             found[key] = json.loads(tags[f"sweep.{key}"])
     if isinstance(found.get("objectives"), dict):
         found["objectives"] = list(found["objectives"])  # {metric: direction}, in the study's order
-    if set(_SETTINGS) - set(found):
-        defaults = compose(["hydra/sweeper=optuna"], hydra_config=True).hydra.sweeper
+    if {*_SETTINGS, _POLICY} - set(found):
+        cfg = compose(["hydra/sweeper=optuna"], hydra_config=True)
         for key in _SETTINGS:
-            value = defaults.get(key)
+            value = cfg.hydra.sweeper.get(key)
             found.setdefault(key, OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+        found.setdefault(_POLICY, cfg.preflight.get(_POLICY))
     return found
 
 
@@ -305,6 +337,7 @@ def load(
         rows=rows,
         parent_run_id=study.user_attrs.get("mlflow_parent_run_id"),
         probe_overrides=[str(o) for o in settings.get("trial_overrides") or []],
+        max_truncated_answer_frac=None if settings.get(_POLICY) is None else float(settings[_POLICY]),
     )
 
 
@@ -326,7 +359,16 @@ def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
         run_id=a.get("mlflow_run_id"),
         because_of=int(origin) if origin is not None else None,
         slot=a.get("sweep.slot"),
+        recipe=str(a.get("sweep.recipe", "")).lower() == "true",
+        lever=_lever(a.get("sweep.lever")),
     )
+
+
+def _lever(value: Any) -> list[str]:
+    """`sweep.lever`: a JSON list of override strings (a list where a storage kept it as one); [] when absent."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    return [str(o) for o in value or []]
 
 
 def _is_metric(key: str, value: Any) -> bool:
@@ -336,6 +378,12 @@ def _is_metric(key: str, value: Any) -> bool:
         and "." not in key
         and key not in ("mlflow_run_id", "retry_of")
     )
+
+
+def short_override(override: str) -> str:
+    """An override as users write the library's field: the key's last part and the value (`+`/`~` dropped)."""
+    key, eq, value = override.partition("=")
+    return f"{key.lstrip('+~').rsplit('.', 1)[-1]}{eq}{value}"
 
 
 def sort_key(value: Any) -> tuple[int, float | str]:

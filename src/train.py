@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from src.config import register_configs
+from src.trial.handoff import die_with_parent
 
 register_configs()
 
@@ -46,4 +47,5 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
+    die_with_parent()  # a trial started by the sweep engine dies with it (src/trial/handoff.py)
     main()

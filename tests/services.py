@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -28,6 +29,15 @@ import pytest
 from src.sweep.process import stop_process_group  # a service in its own session: stopped with all it spawned
 
 PG_USER = "qlora"
+# Room for every pool the scale-out tests open at once (CONNECTION_BUDGET) with a margin for a loaded machine,
+# where a closed connection's backend lingers until it has run its exit.
+MAX_CONNECTIONS = 300
+# The most client connections the tests may hold at once: half the default max_connections (100), so the suite
+# would pass on a stock server too. What holds them: each sweep worker's Optuna pool (QueuePool, busy threads
+# only: main, slot, heartbeat) and its advisory-lock connection (NullPool); the MLflow server's two pools
+# (runs, users) in its launcher and its one worker (MLFLOW_SQLALCHEMYSTORE_POOL_SIZE); the test process's one
+# storage per database (`rdb()` in test_scale_out.py); report and promote while they run.
+CONNECTION_BUDGET = 50
 
 
 def free_port() -> int:
@@ -69,6 +79,7 @@ class Postgres:
     password: str
     user: str = PG_USER
     host: str = "127.0.0.1"
+    watch: ConnectionWatch | None = None  # what the server held at its busiest (the `postgres` fixture's)
 
     def url(self, db: str, driver: str = "postgresql") -> str:
         """A URL without the password: libpq reads it from PGPASSWORD (see `env`)."""
@@ -96,7 +107,42 @@ class Postgres:
         return self._client("pg_dump", "--no-owner", db).stdout
 
     def stop(self) -> None:
+        if self.watch:
+            self.watch.stop()
         _as_owner(self.folder, [str(self.bin / "pg_ctl"), "-D", str(self.folder / "data"), "stop", "-m", "immediate"])
+
+
+class ConnectionWatch:
+    """The most client connections the server held at once, sampled every `every_s` from pg_stat_activity on a
+    connection of the watch's own (not counted), with their databases at that moment."""
+
+    def __init__(self, pg: Postgres, every_s: float = 0.2) -> None:
+        import psycopg
+
+        self.conn = psycopg.connect(
+            host=pg.host, port=pg.port, user=pg.user, password=pg.password, dbname="postgres", autocommit=True
+        )
+        self.max_connections = int(self.conn.execute("SHOW max_connections").fetchone()[0])
+        self.peak = 0
+        self.at_peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, every_s: float) -> None:
+        query = (
+            "SELECT coalesce(datname, '-'), count(*) FROM pg_stat_activity "
+            "WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() GROUP BY 1"
+        )
+        while not self._stop.wait(every_s):
+            by_db = dict(self.conn.execute(query).fetchall())
+            if sum(by_db.values()) > self.peak:
+                self.peak, self.at_peak = sum(by_db.values()), by_db
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.conn.close()
 
 
 def _as_owner(folder: Path, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -144,6 +190,7 @@ def start_postgres(prefix: str = "qlora-pg-") -> Postgres:
     for _attempt in range(3):  # a free port can be taken between asking and binding
         port = free_port()
         options = f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={folder / 'socket'}"
+        options += f" -c max_connections={MAX_CONNECTIONS}"
         done = _as_owner(
             folder,
             [str(bindir / "pg_ctl"), "-D", str(folder / "data"), "-l", str(folder / "log"), "-o", options, "-w"]
@@ -194,7 +241,18 @@ def start_mlflow_server(
     the password's scrypt hash on every request unless `auth_cache_ttl_s` caches a success that long.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **server_env, "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        **server_env,
+        "PYTHONUNBUFFERED": "1",
+        # Each of its processes (the launcher, which migrates the database, and the worker) keeps two pools, runs
+        # and users: a test's load needs a few connections each, not SQLAlchemy's default 5 + 10 overflow.
+        "MLFLOW_SQLALCHEMYSTORE_POOL_SIZE": "2",
+        "MLFLOW_SQLALCHEMYSTORE_MAX_OVERFLOW": "4",
+        # No GenAI jobs here: without this the server starts a job runner and a huey consumer with five
+        # workers, more processes and connections competing for a loaded machine's cores.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
     cmd = [
         sys.executable,
         "-m",
@@ -432,7 +490,13 @@ def _running(service: Service) -> Iterator[Service]:
 def postgres() -> Iterator[Postgres]:
     if postgres_bin() is None:
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    yield from _running(start_postgres())
+    pg = start_postgres()
+    try:
+        pg.watch = ConnectionWatch(pg)  # read by the last scale-out test
+        yield pg
+    finally:
+        pg.stop()
+        shutil.rmtree(pg.folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

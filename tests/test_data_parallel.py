@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import run_cli
 
 DP = ["trainer=probe", "trainer.max_steps=4", "hardware.parallelism=data_parallel", "hardware.processes=2"]
+DP += ["model.device_map=null"]  # a data-parallel rank holds a whole copy: no device map across cards
 
 
 def _only_run(client):

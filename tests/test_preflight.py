@@ -105,6 +105,82 @@ def test_each_data_defect_is_found_and_counted_with_sheet_rows(suffix: str, root
     assert "[ERROR  ] truncated_answers" in text and "rows 8, 9" in text and "rows 4, 5" in text
 
 
+def _refused_data(cfg) -> str:
+    with pytest.raises(DataError) as refused:
+        preflight.check_data(cfg, preflight.Report())
+    return str(refused.value)
+
+
+def test_a_directory_as_data_path_says_so_and_names_its_data_files(root: Path) -> None:
+    folder = root / "exports"
+    folder.mkdir()
+    _write(_clean_rows(), folder / "notes.csv")
+    (folder / "README.txt").write_text("not a data file")
+    done = run_cli("src.preflight", "model=tiny_llama", f"data.path={folder}", root=root, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert (
+        f"REFUSED: data.path: {folder} is a directory, not a data file; it holds notes.csv: "
+        f"set data.path={folder / 'notes.csv'}"
+    ) in done.stdout
+    assert "file not found" not in done.stdout
+    (folder / "notes.csv").unlink()
+    assert _refused_data(_cfg(folder)) == (
+        f"data.path: {folder} is a directory with no xlsx, xls, csv, jsonl or parquet file in it; "
+        "set data.path=/path/to/file.xlsx|csv|jsonl|parquet"
+    )
+
+
+def test_an_xlsx_whose_columns_are_on_another_sheet_names_that_sheet(root: Path) -> None:
+    path = root / "book.xlsx"
+    with pd.ExcelWriter(path) as book:
+        pd.DataFrame({"Title": ["Notes export, March"]}).to_excel(book, sheet_name="Cover", index=False)
+        pd.DataFrame(_clean_rows(), columns=["Sentence", "Description"]).to_excel(book, sheet_name="Notes", index=False)
+    assert _refused_data(_cfg(path)) == (
+        "data.input_column: column 'Sentence' is not on the first sheet ('Cover') of book.xlsx (its columns: "
+        "['Title']); sheet 'Notes' has both columns ('Sentence', 'Description'): set data.sheet=Notes"
+    )
+    assert _refused_data(_cfg(path, "data.sheet=Data")) == (
+        "data.sheet: book.xlsx has no sheet 'Data' (its sheets: 'Cover', 'Notes'); set data.sheet=<one of them>"
+    )
+    report = preflight.Report()
+    preflight.check_data(_cfg(path, "data.sheet=Notes"), report)
+    assert report.errors == [] and len(report.stats) == 4
+
+
+def test_a_malformed_jsonl_line_is_named_by_its_line_number(root: Path) -> None:
+    path = root / "notes.jsonl"
+    lines = [json.dumps({"Sentence": s, "Description": d}) for s, d in _clean_rows()]
+    lines[2] = '{"Sentence": "Reports rash." "Description": "{}"}'
+    path.write_text("\n".join(lines) + "\n")
+    message = _refused_data(_cfg(path))
+    assert message == (
+        "data.path: line 3 of notes.jsonl is not valid JSON (Expecting ',' delimiter, column 30): "
+        '{"Sentence": "Reports rash." "Description": "{}"}'
+    )
+    lines[2] = '["Reports rash.", "{}"]'
+    path.write_text("\n".join(lines) + "\n")
+    assert _refused_data(_cfg(path)).startswith(
+        "data.path: line 3 of notes.jsonl is a JSON list, not an object of column: value"
+    )
+
+
+@pytest.mark.parametrize("suffix", [".xlsx", ".csv", ".jsonl"])
+def test_cells_that_read_na_null_or_none_are_text_not_missing(suffix: str, root: Path) -> None:
+    """`null` is a valid JSON answer and `NA` a valid sentence: only a cell with nothing in it is missing."""
+    from src.data import cell, load_table
+
+    rows = [("NA", "null"), ("N/A", "None"), ("null", "NA"), _clean_rows()[0], ("Reports cough.", "")]
+    path = _write(rows, root / f"texts{suffix}")
+    df = load_table(_cfg(path).data)
+    assert [cell(v) for v in df["Sentence"]] == ["NA", "N/A", "null", rows[3][0], "Reports cough."]
+    assert [cell(v) for v in df["Description"]] == ["null", "None", "NA", rows[3][1], ""]
+    report = preflight.Report()
+    preflight.check_data(_cfg(path), report)
+    found = _by_check(report)
+    assert found["empty_cells"].rows == [6], "the one truly empty cell, and only it"
+    assert found["json_output"].rows == [3, 4], "the answer null is valid JSON; None and NA are not"
+
+
 @pytest.mark.parametrize("suffix", [".xlsx", ".csv"])
 def test_default_policy_refuses_truncating_data_and_accepts_a_clean_file(suffix: str, root: Path) -> None:
     clean = _clean_rows()
@@ -167,7 +243,7 @@ def test_device_map_across_gpus_with_data_parallel_is_refused(root: Path, monkey
     assert "WORLD_SIZE=2" in message and "Set hardware.parallelism=data_parallel" in message
     monkeypatch.delenv("WORLD_SIZE")
     # a device map key (not in the schema today) that spreads the model, with data-parallel training
-    message = _refusal(["hardware.parallelism=data_parallel", "+model.device_map=auto"])
+    message = _refusal(["hardware.parallelism=data_parallel", "model.device_map=auto"])
     assert "model.device_map=auto" in message and "remove model.device_map" in message
 
 
@@ -203,15 +279,17 @@ def test_padding_free_without_packing_is_refused_and_packing_accepted(root: Path
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        (["model.sdpa_backends=[flash,fast]"], "unknown fast"),
-        (["model.sdpa_backends=[]"], "empty"),
+        (["model.sdpa_backends=[flash,fast]", "model.attn_implementation=sdpa"], "unknown fast"),
+        (["model.sdpa_backends=[]", "model.attn_implementation=sdpa"], "empty"),
         (["model.sdpa_backends=[flash]", "model.attn_implementation=eager"], "does not use SDPA"),
     ],
 )
 def test_bad_sdpa_backends_are_refused_by_name(overrides: list[str], expected: str, root: Path) -> None:
     message = _refusal(overrides)
     assert "model.sdpa_backends" in message and expected in message
-    report = preflight.run(compose_cfg(["model.sdpa_backends=[cudnn,flash]"]), data=False)
+    report = preflight.run(
+        compose_cfg(["model.sdpa_backends=[cudnn,flash]", "model.attn_implementation=sdpa"]), data=False
+    )
     assert not [f for f in report.findings if f.check == "sdpa_backends"]
 
 
@@ -239,7 +317,7 @@ def test_liger_kernel_without_the_package_is_refused(root: Path, monkeypatch: py
 def test_a_data_parallel_trial_s_parent_is_not_warned_that_it_was_not_launched_by_torchrun(root: Path) -> None:
     # The parent (WORLD_SIZE unset) launches the ranks itself; a warning there refused every data-parallel
     # trial under preflight.fail_on_warnings=true.
-    report = preflight.run(compose_cfg(["hardware.parallelism=data_parallel"]), data=False)
+    report = preflight.run(compose_cfg(["hardware.parallelism=data_parallel", "model.device_map=null"]), data=False)
     assert not [f for f in report.findings if f.check == "parallelism"]
 
 
@@ -256,6 +334,7 @@ def test_moving_a_4bit_model_is_refused_and_training_still_runs(root: Path) -> N
 
     cfg = compose_cfg(
         ["model=tiny_llama", "trainer=probe", "trainer.max_steps=1", f"trainer.output_dir={root / 'trainer'}"]
+        + ["trainer.gradient_checkpointing=true"]  # as prepared below
     )
     model, tokenizer = models.load(cfg)
     assert preflight.guard_device_moves(model) is model

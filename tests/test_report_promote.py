@@ -1,5 +1,5 @@
 """The stability map and promotion: one real sweep of the tiny Llama (three stable settings, an injected OOM, a
-setting preflight refuses, a segfault) is classified trial by trial, drawn, logged to its parent run and
+setting that cuts answers, a segfault) is classified trial by trial, drawn, logged to its parent run and
 promoted; hand-made studies cover the classes a CPU cannot produce (marginal headroom, allocator retries,
 timeouts, skipped repeats) and the refusals."""
 
@@ -32,16 +32,15 @@ SETTINGS = [
     {"data.max_seq_length": 512, "lora.r": 4, "fault.kind": "none"},  # stable
     {"data.max_seq_length": 512, "lora.r": 8, "fault.kind": "none"},  # stable
     {"data.max_seq_length": 256, "lora.r": 4, "fault.kind": "oom"},  # failed: oom (the setting's: COMPLETE)
-    {"data.max_seq_length": 128, "lora.r": 8, "fault.kind": "none"},  # failed: data_error (preflight refuses)
+    {"data.max_seq_length": 128, "lora.r": 8, "fault.kind": "none"},  # stable, but cuts answers: never promoted
     {"data.max_seq_length": 512, "lora.r": 4, "fault.kind": "segfault"},  # failed: segfault (the process's: FAIL)
 ]
-PROBE_KEYS = {"trainer.max_steps", "trainer.warmup_steps", "trainer.output_dir"}
+# How the sweep ran each trial, never carried into production: the probe, and the truncation policy it relaxed.
+PROBE_KEYS = {"trainer.max_steps", "trainer.warmup_steps", "trainer.output_dir", "preflight.max_truncated_answer_frac"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def expected(setting: dict[str, Any]) -> tuple[str, str | None]:
-    if setting["data.max_seq_length"] == 128:
-        return "failed", "data_error"
     if setting["fault.kind"] != "none":
         return "failed", setting["fault.kind"]
     return "stable", None
@@ -107,9 +106,15 @@ def test_every_trial_is_classified_by_what_it_did(swept: Path) -> None:
         assert (row.verdict, row.failure_kind) == expected(setting), (row.number, row.detail)
     assert sweep.rows[3].detail == "oom at step 1"
     assert sweep.margin == pytest.approx(0.10)  # the sweep's own hydra.sweeper.headroom_margin
+    # 128 tokens cut answers: the sweep measured the setting instead of refusing it, and recorded the share
+    assert sweep.max_truncated_answer_frac == 0.0  # the policy the trials would have refused by
+    assert [sweep.cuts_too_much(r) for r in sweep.rows] == [False, False, False, False, True, False]
+    assert sweep.rows[4].metrics["truncated_answer_frac"] > 0 and sweep.rows[0].metrics["truncated_answer_frac"] == 0
+    assert sweep.rows[0].recipe and not any(r.recipe for r in sweep.rows[1:])  # the first enqueued setting
     stdout = (swept / "report_stdout.txt").read_text()
-    assert "6 trials, 3 stable, 0 marginal, 3 failed (1 oom, 1 data_error, 1 segfault)" in stdout
+    assert "6 trials, 4 stable, 0 marginal, 2 failed (1 oom, 1 segfault)" in stdout
     assert f"python -m src.promote {STUDY}" in stdout
+    assert "what to change:\n- Your recipe (trial 0: max_seq_length 256, r 8, kind none) is stable: " in stdout
 
 
 @pytest.mark.slow
@@ -130,10 +135,12 @@ def test_report_files_are_pictures_with_content_and_logged_to_the_parent_run(swe
     assert logged == {"report.md", *pictures}
     tags = client.get_run(sweep.parent_run_id).data.tags
     assert (tags["report.stable"], tags["report.failed"], tags["report.best_trial"]) == (
-        "3",
-        "3",
+        "4",
+        "2",
         str(sweep.best().number),
     )
+    assert tags["report.what_to_change"] == "\n".join(report.what_to_change(sweep))
+    assert "## What to change\n\n- Your recipe (trial 0: " in md
     for row in sweep.rows:  # each trial's run can be filtered by its class in the MLflow UI
         assert client.get_run(row.run_id).data.tags["report.class"] == row.verdict
 
@@ -142,12 +149,12 @@ def test_report_files_are_pictures_with_content_and_logged_to_the_parent_run(swe
 def test_importances_say_which_knobs_move_the_metrics(swept: Path) -> None:
     sweep = _sweep(swept)
     speed = report.importance(sweep, "tokens_per_s", "maximize")
-    assert speed.n_trials == 3
+    assert speed.n_trials == 4
     assert set(speed.values) == {"data.max_seq_length", "lora.r"}  # fault.kind never varied among finished trials
     assert sum(speed.values.values()) == pytest.approx(1.0, abs=1e-6)
     assert speed.method.startswith("fANOVA")
     memory = report.importance(sweep, "peak_vram_reserved_gib", "minimize")
-    assert not memory.values and "was 0 in all 3 finished trials" in memory.note  # a CPU has no VRAM to explain
+    assert not memory.values and "was 0 in all 4 finished trials" in memory.note  # a CPU has no VRAM to explain
     md = (swept / "sweeps" / STUDY / "report.md").read_text()
     assert "## Which knobs matter" in md and "How these were computed" in md and "| lora.r |" in md
 
@@ -206,6 +213,20 @@ def test_promotion_registers_the_best_stable_trial_and_its_settings_compose(swep
 
 
 @pytest.mark.slow
+def test_a_setting_that_cuts_answers_is_never_promoted(
+    swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("QLORA_ROOT", str(swept))
+    before = _registry(_client(swept))
+    target = tmp_path / "production.yaml"
+    assert promote.main([STUDY, "--trial", "4", "--experiment-file", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert "trial 4 cuts" in err and "of the assistant answers at data.max_seq_length=128" in err
+    assert "refused above preflight.max_truncated_answer_frac=0" in err
+    assert not target.exists() and _registry(_client(swept)) == before
+
+
+@pytest.mark.slow
 def test_promoting_again_moves_the_alias_and_keeps_the_older_version(
     swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -234,7 +255,7 @@ def test_no_qualifying_trial_changes_nothing_and_says_why(
     target = tmp_path / "production.yaml"
     done = run_cli("src.promote", STUDY, "--margin", "1.5", "--experiment-file", str(target), root=swept)
     assert done.returncode == 1
-    assert "no stable trial: 3 marginal (headroom < 150%), 3 failed (1 oom, 1 data_error, 1 segfault)" in done.stderr
+    assert "no stable trial: 4 marginal (headroom < 150%), 2 failed (1 oom, 1 segfault)" in done.stderr
     assert not target.exists() and _registry(client) == before
 
     # a study where everything failed, in a storage of its own: not even the MLflow store is touched

@@ -8,6 +8,7 @@ Each test starts what it needs itself (tests/services.py) on 127.0.0.1 and stops
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import signal
@@ -29,12 +30,17 @@ from src.config import PROJECT_DIR
 from src.study import failure_kind, retried_numbers
 from src.sweep.engine import SweepEngine
 from tests.conftest import compose_cfg, run_cli
+from tests.services import CONNECTION_BUDGET
 
 if TYPE_CHECKING:
     from tests.services import MlflowServer, Postgres, Slurm
 
 pytest_plugins = ["tests.services"]  # the fixtures postgres, tracking_server, cluster
 pytestmark = pytest.mark.slow
+
+# How long a sweep worker may take, as a guard against a hang: on two cores shared with other work a worker took
+# 3 minutes to import and open its study and a minute per trial, so these are far above an idle machine's figures.
+WORKER_S = 900
 
 PROBE = ["sweep=demo", "hydra.sweeper.progress=false", "hydra.sweeper.trial_overrides=['trainer.max_steps=4']"]
 
@@ -65,6 +71,17 @@ def start_worker(args: list[str], env: dict[str, str], log: Path) -> subprocess.
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+
+@functools.cache
+def rdb(url: str) -> optuna.storages.RDBStorage:
+    """This test process's one Optuna storage per database. Each RDBStorage has an engine whose pool keeps its
+    connection open: a storage opened per poll held one more connection per poll (PGPASSWORD: set by the caller)."""
+    return optuna.storages.RDBStorage(url)
+
+
+def load_study(name: str, url: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=rdb(url))
 
 
 def mlflow_runs(server: MlflowServer, experiment: str) -> list:
@@ -234,7 +251,7 @@ def shared_study(
     started = time.time()
     workers = [start_worker(args, env, log) for log in logs]
     try:
-        returncodes = [w.wait(timeout=420) for w in workers]
+        returncodes = [w.wait(timeout=WORKER_S) for w in workers]
     finally:
         for w in workers:
             if w.poll() is None:
@@ -249,7 +266,7 @@ def test_two_workers_share_one_study_of_exactly_n_trials(
     assert s.returncodes == [0, 0], [log.read_text()[-3000:] for log in s.logs]
     print(f"\ntwo workers, 10 trials: {s.seconds:.0f}s")
     monkeypatch.setenv("PGPASSWORD", postgres.password)
-    trials = optuna.load_study(study_name=s.name, storage=s.storage).get_trials()
+    trials = load_study(s.name, s.storage).get_trials()
     assert len(trials) == 10 and sorted(t.number for t in trials) == list(range(10))
     assert all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials)
     launched = [t for t in trials if t.user_attrs.get("trial.status") != "skipped"]
@@ -346,15 +363,16 @@ def test_worker_killed_mid_trial_is_failed_by_heartbeat_and_retried(
     )
     env = worker_env(tmp_path, cache_dir, postgres, tracking_server)
     monkeypatch.setenv("PGPASSWORD", postgres.password)
+    rdb(storage)  # Optuna's tables are made here, before the workers start: the poll below never races them
     victim = start_worker(args, env, tmp_path / "victim.log")
     survivor = start_worker(args, env, tmp_path / "survivor.log")
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + WORKER_S / 2
         mine = None
         while mine is None and time.time() < deadline:
             time.sleep(0.5)
             try:
-                study = optuna.load_study(study_name=study_name, storage=storage)
+                study = load_study(study_name, storage)
             except KeyError:
                 continue  # not created yet
             running = study.get_trials(states=(TrialState.RUNNING,))
@@ -366,20 +384,20 @@ def test_worker_killed_mid_trial_is_failed_by_heartbeat_and_retried(
                 mine = None
         assert mine is not None, (tmp_path / "victim.log").read_text()[-3000:]
         # As if the victim ran on another node: only its stopped heartbeat can tell that it died.
-        rdb = optuna.storages.RDBStorage(storage)
-        mine_id = rdb.get_trial_id_from_study_id_trial_number(rdb.get_study_id_from_name(study_name), mine.number)
-        rdb.set_trial_user_attr(mine_id, "worker.host", "another-node")
+        store = rdb(storage)
+        mine_id = store.get_trial_id_from_study_id_trial_number(store.get_study_id_from_name(study_name), mine.number)
+        store.set_trial_user_attr(mine_id, "worker.host", "another-node")
         victim.send_signal(signal.SIGKILL)
         victim.wait()
-        assert survivor.wait(timeout=300) == 0, (tmp_path / "survivor.log").read_text()[-3000:]
+        assert survivor.wait(timeout=WORKER_S) == 0, (tmp_path / "survivor.log").read_text()[-3000:]
     finally:
         for w in (victim, survivor):
             if w.poll() is None:
                 w.kill()
 
-    trials = optuna.load_study(study_name=study_name, storage=storage).get_trials()
+    trials = load_study(study_name, storage).get_trials()
     killed = trials[mine.number]
-    # Failed by Optuna's own stale-trial machinery, which leaves a finished trial's attributes as they were.
+    # Its stopped heartbeat seen, its records say it did not finish: failed as killed, its setting queued again.
     assert killed.state == TrialState.FAIL and failure_kind(killed) == "killed"
     assert retried_numbers(trials) == {mine.number}
     retry = [t for t in trials if t.user_attrs.get("retry_of") == mine.number]
@@ -431,7 +449,7 @@ def test_cluster_workers_through_submitit(
         *args,
         root=tmp_path,
         env=env,
-        timeout=400,
+        timeout=WORKER_S,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("done on") == 2, done.stdout
@@ -441,7 +459,7 @@ def test_cluster_workers_through_submitit(
     if cluster:
         assert results[0].split("_")[0] == results[1].split("_")[0], "one SLURM job array"
     monkeypatch.setenv("PGPASSWORD", postgres.password)
-    trials = optuna.load_study(study_name="cluster", storage=storage).get_trials()
+    trials = load_study("cluster", storage).get_trials()
     assert len(trials) == 2 and all(t.state == TrialState.COMPLETE for t in trials)
     assert len({t.user_attrs["worker.pid"] for t in trials}) == 2, "each job ran one of the trials"
     for k, v in tracking_server.env.items():
@@ -472,6 +490,20 @@ def test_every_cluster_config_composes() -> None:
     for path in CLUSTER_DIR.glob("*.yaml"):
         cfg = load_cluster(path.stem, [])
         assert cfg.executor == path.stem and cfg.workers >= 1
+
+
+# ---- the database's connections (after every test above, in file order) ---------------------------------------
+
+
+def test_the_scale_out_tests_hold_few_database_connections_at_once(postgres: Postgres) -> None:
+    """The most client connections the tests' PostgreSQL held at once, sampled all along (tests/services.py),
+    stays within CONNECTION_BUDGET, far under its max_connections. A storage opened per poll keeps its pooled
+    connection open: a poll loop once held one connection per poll, and on a loaded machine, where trials are
+    slower and polls more numerous, ran out of them ("FATAL: sorry, too many clients already")."""
+    watch = postgres.watch
+    print(f"\npeak: {watch.peak} connections of max_connections={watch.max_connections}: {watch.at_peak}")
+    assert watch.peak <= CONNECTION_BUDGET, watch.at_peak
+    assert watch.max_connections >= 3 * CONNECTION_BUDGET, "room for a loaded machine's lingering backends"
 
 
 # ---- figures (opt-in: QLORA_SCALE_OUT_FIGURES=1) -------------------------------------------------------------

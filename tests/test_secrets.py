@@ -167,3 +167,72 @@ def test_planted_tokens_reach_neither_mlflow_nor_sweeps_nor_logs(root: Path, tok
     db.close()
     saved = "\n".join(p.read_text() for p in files if p.name == "overrides.yaml")
     assert "+model.token=***" in saved and "data.system_prompt='Answer in JSON. ***'" in saved
+
+
+# ---- a credential in a search space (issue 17, item 1) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, arguments, key",
+    [
+        ([], ["data.system_prompt=choice(plain,{t})"], "data.system_prompt"),
+        (["+hydra.sweeper.params={{data.system_prompt:'choice(plain,{t})'}}"], [], "data.system_prompt"),
+        (["+hydra.sweeper.default_params={{data.system_prompt:'choice(plain,{t})'}}"], [], "data.system_prompt"),
+        (
+            ["hydra.sweeper.enqueue_trials=[{{lora.r:8}},{{data.system_prompt:'{t}'}}]"],
+            [],
+            "data.system_prompt (hydra.sweeper.enqueue_trials[1])",
+        ),
+    ],
+    ids=["choice", "params", "default_params", "enqueue_trials"],
+)
+def test_a_credential_in_a_search_space_is_refused_naming_the_key(
+    root: Path, tokens: dict, overrides: list[str], arguments: list[str], key: str
+) -> None:
+    """Optuna stores a space's choices and the enqueued values in clear; the engine refuses them when built."""
+    from src.sweep.engine import SweepEngine
+    from src.sweep.space import SpaceError
+
+    token = tokens["key"]
+    cfg = compose_cfg(
+        ["hydra/sweeper=optuna", "trainer.output_dir=/tmp/unused", *(o.format(t=token) for o in overrides)]
+    )
+    with pytest.raises(SpaceError) as refused:
+        SweepEngine(cfg, [a.format(t=token) for a in arguments])
+    message = str(refused.value)
+    assert message.startswith(f"{key} holds a Hugging Face token: Optuna keeps"), message
+    assert token not in message
+
+
+def test_a_token_in_a_swept_value_is_refused_before_anything_is_stored(root: Path, tokens: dict) -> None:
+    """The issue's command: a token as one choice of the system prompt. Refused in one line naming the key, before
+    an Optuna study or an MLflow run exists; then every byte under sweeps/ and mlruns/ (the SQLite databases
+    included) and the terminal of the sweep and of the report are searched for the token."""
+    token = "hf_" + tokens["key"][3:] + "abcd"  # the issue's shape: hf_ and 34 letters
+    sweep = subprocess.run(
+        [sys.executable, "-m", "src.train", "-m", "hydra/sweeper=optuna", f"data.system_prompt=choice(plain,{token})"]
+        + ["hydra.sweeper.enqueue_trials=[]", "hydra.sweeper.study_name=leaky", "hydra.sweeper.n_trials=1"]
+        + ["hydra.sweeper.progress=false", "hydra.sweeper.trial_overrides=['trainer.max_steps=1']"],
+        cwd=PROJECT_DIR,
+        env={**os.environ, "QLORA_ROOT": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = subprocess.run(
+        [sys.executable, "-m", "src.report", "leaky"],
+        cwd=PROJECT_DIR,
+        env={**os.environ, "QLORA_ROOT": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert sweep.returncode != 0 and "Traceback" not in sweep.stderr, sweep.stderr[-3000:]
+    (line,) = [line for line in sweep.stderr.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: data.system_prompt holds a Hugging Face token"), line
+    assert not (root / "sweeps" / "leaky").exists() and not (root / "mlruns").exists()
+    files = [p for top in ("sweeps", "mlruns") for p in (root / top).rglob("*") if p.is_file()]
+    for path in files:
+        assert token.encode() not in path.read_bytes(), f"the token leaked into {path.relative_to(root)}"
+    for done in (sweep, report):
+        assert token not in done.stdout + done.stderr

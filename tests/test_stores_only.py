@@ -18,7 +18,7 @@ from tests.conftest import run_cli
 
 STUDY = "stores_only"
 SETTINGS = [{"data.max_seq_length": 256, "lora.r": 8}, {"data.max_seq_length": 512, "lora.r": 4}]
-PROBE_KEYS = {"trainer.max_steps", "trainer.warmup_steps", "trainer.output_dir"}
+PROBE_KEYS = {"trainer.max_steps", "trainer.warmup_steps", "trainer.output_dir", "preflight.max_truncated_answer_frac"}
 
 
 @pytest.mark.slow

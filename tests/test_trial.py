@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import optuna
 import pytest
 import torch
 
@@ -140,7 +141,7 @@ def test_without_hydras_saved_config_the_run_holds_the_config_unresolved(root: P
 def test_upcast_non_quantized_decides_the_dtype_of_embeddings_norms_and_lm_head(upcast, dtype, root: Path) -> None:
     from src import models
 
-    cfg = compose_cfg([f"model.upcast_non_quantized={upcast}"])
+    cfg = compose_cfg([f"model.upcast_non_quantized={upcast}", "trainer.gradient_checkpointing=true"])
     model, _ = models.load(cfg)
     model = models.prepare_for_kbit_training(model, cfg)
     for weight in (model.lm_head.weight, model.model.embed_tokens.weight, model.model.norm.weight):
@@ -159,6 +160,7 @@ def test_compiled_layers_train_the_same_adapter_with_one_graph_for_every_layer(r
         cfg = compose_cfg(
             ["trainer=probe", "trainer.max_steps=2", "measure.warmup_steps=1", f"trainer.torch_compile={mode}"]
             + [f"trainer.output_dir={out}", "trainer.packing=true"]
+            + ["trainer.gradient_checkpointing=true", "model.attn_implementation=sdpa"]  # the compiled setting's
         )
         client, run_id = single.open_run(cfg)
         state = {"client": client, "run_id": run_id}
@@ -178,7 +180,14 @@ def test_compiled_layers_train_the_same_adapter_with_one_graph_for_every_layer(r
 
 def test_sdpa_backends_decide_the_attention_kernel_that_runs(root: Path, mlflow_client) -> None:
     # On a CPU torch picks its flash kernel (flash_cpu); allowing only the math path must show in the tag.
-    done = run_cli("src.train", "trainer=probe", "trainer.max_steps=3", "model.sdpa_backends=[math]", root=root)
+    done = run_cli(
+        "src.train",
+        "trainer=probe",
+        "trainer.max_steps=3",
+        "model.attn_implementation=sdpa",
+        "model.sdpa_backends=[math]",
+        root=root,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     run = _only_run(mlflow_client)
     assert run.data.tags["attention.kernel"] == "math"
@@ -243,6 +252,70 @@ def test_packed_probe_holds_enough_rows_to_fill_its_packed_rows() -> None:
 )
 def test_exception_taxonomy(exc: BaseException, kind: str) -> None:
     assert failures.classify_exception(exc) == kind
+
+
+def _raised(make) -> BaseException:
+    """What `make` raises: a real allocation past what any host has (1 PiB: beyond the address space), or an
+    exception as a library raises it."""
+    if isinstance(make, BaseException):
+        return make
+    try:
+        make()
+    except BaseException as exc:  # whatever the allocator raised is the point
+        return exc
+    raise AssertionError("the allocation succeeded")
+
+
+@pytest.mark.parametrize(
+    "make,kind",
+    [
+        (lambda: torch.empty(2**50, dtype=torch.uint8), "host_oom"),  # DefaultCPUAllocator: can't allocate memory
+        (lambda: bytearray(2**50), "host_oom"),  # MemoryError
+        (lambda: __import__("mmap").mmap(-1, 2**50), "host_oom"),  # OSError: [Errno 12] Cannot allocate memory
+        (RuntimeError("out of memory"), "host_oom"),  # no device named: the host's
+        (RuntimeError("CUDA error: out of memory"), "oom"),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom"),
+    ],
+)
+def test_host_memory_is_told_apart_from_device_memory(make, kind: str) -> None:
+    """Only the card's memory is the setting's (`oom`: the VRAM constraint and the certain-OOM rule learn from
+    it); the host running out (`host_oom`) is the machine's, like a segfault or a kill."""
+    exc = _raised(make)
+    assert failures.classify_exception(exc) == kind, f"{type(exc).__name__}: {exc}"
+    assert failures.classify_exit(1, f"Traceback (most recent call last):\n{type(exc).__name__}: {exc}") == kind
+    assert "host_oom" in failures.KINDS and "host_oom" not in failures.MEMORY
+
+
+def test_the_kernels_oom_killer_is_host_memory_and_a_plain_kill_is_not() -> None:
+    dmesg = "Out of memory: Killed process 4242 (python) total-vm:81234567kB, anon-rss:23456789kB, oom_score_adj:0"
+    slurm = "slurmstepd: error: Detected 1 oom_kill event in StepId=12.batch. Some of your processes may have been "
+    slurm += "killed by the cgroup out-of-memory handler."
+    assert failures.classify_exit(-9, dmesg) == "host_oom"
+    assert failures.classify_exit(128 + 9, slurm) == "host_oom"
+    assert failures.classify_exit(-9, "") == "killed"
+
+
+def test_a_host_oom_trial_fails_as_the_process_s_not_as_the_setting_s(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Told FAIL (no VRAM constraint), and a larger setting is still launched: not a certain OOM."""
+    from src import report
+    from src.sweep.process import Outcome
+    from tests.test_sweep import _fake_sweep
+
+    host = _raised(lambda: torch.empty(2**50, dtype=torch.uint8))
+
+    def out_of_host_memory(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        failure = single.failure_of(host, None).as_dict()
+        return Outcome("failed", failure={**failure, "step": 3}, recorded=False)
+
+    space = ["data.max_seq_length=choice(128,256)"]
+    cfg = _fake_sweep(monkeypatch, "host", 2, space, "hydra/sweeper/sampler=grid", process=out_of_host_memory)
+    trials = optuna.load_study(study_name="host", storage=f"sqlite:///{root}/sweeps/host/optuna.db").get_trials()
+    assert [t.user_attrs["failure.kind"] for t in trials] == ["host_oom", "host_oom"], "both launched"
+    assert all(t.state == optuna.trial.TrialState.FAIL and not t.constraints for t in trials)
+    sweep = report.load("host", root / "sweeps", tracking_uri=str(cfg.tracking.uri))
+    assert [r.detail for r in sweep.rows] == ["host_oom at step 3", "host_oom at step 3"]
 
 
 def test_exit_taxonomy_and_oom_request() -> None:

@@ -8,10 +8,12 @@ No `from __future__ import annotations` here: Hydra executes plugin modules outs
 dataclasses cannot resolve string annotations.
 """
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import MISSING, DictConfig
@@ -66,7 +68,33 @@ class OptunaSweeper(Sweeper):
         self.config = config
 
     def sweep(self, arguments: list[str]) -> None:
+        from src.stores import StoreError
         from src.sweep.engine import SweepEngine
+        from src.sweep.slots import SlotsError
+        from src.sweep.space import SpaceError
 
         assert self.config is not None
-        SweepEngine(self.config, arguments).run()
+        try:
+            SweepEngine(self.config, arguments).run()
+        except (SpaceError, StoreError, SlotsError) as exc:  # refused before anything was recorded: one line
+            sys.exit(f"error: {exc}")
+
+
+class OptunaSweeperOnly(Callback):
+    """Hydra callback (hydra.callbacks.optuna_sweeper_only in conf/train.yaml): `-m` sweeps with this sweeper only.
+
+    Hydra's basic sweeper would run the jobs one after another in this process, end the command at the first
+    failing job, save every override to sweeps/multirun/multirun.yaml, print them in its launch line, and overwrite
+    trials/0/ on the next run. Hydra calls this before it builds the sweeper: nothing has run, been written or
+    printed. (A callback's exception is only a warning to Hydra, so this exits.)
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.sweeper.get("_target_") != OptunaSweeperConf._target_:
+            sys.exit(
+                "error: `python -m src.train -m` sweeps with hydra/sweeper=optuna only: add hydra/sweeper=optuna to "
+                "the command (a list such as lora.r=4,8 becomes a choice of the search space, and each job a trial "
+                "in its own process, recorded in sweeps/<study>/ and MLflow). Hydra's basic sweeper is not "
+                "supported: it runs the jobs in this process, stops at the first failing one and overwrites "
+                "sweeps/multirun/. Nothing was run or written."
+            )

@@ -38,16 +38,18 @@ class FlopCounter:
         if lengths is not None:
             self.pending.append(lengths)
 
-    def take(self) -> float:
-        """FLOPs of the micro-batches since the last call."""
-        total = 0.0
+    def take(self) -> tuple[float, int]:
+        """FLOPs of the micro-batches since the last call, and how many examples they held (a packed row holds
+        several: each sequence counts)."""
+        total, examples = 0.0, 0
         for lengths in self.pending:
+            examples += int((lengths > 0).sum())
             lengths = lengths.double()
             total += 4.0 * self.params * float(lengths.sum()) + 6.0 * self.layers * self.attn_width * float(
                 (lengths**2).sum()
             )
         self.pending = []
-        return total
+        return total, examples
 
 
 def _row_lengths(kwargs: dict[str, Any]) -> torch.Tensor | None:

@@ -48,6 +48,9 @@ class AttentionProbe(TrainerCallback):
         "aten::_efficient_attention_forward": "efficient",
         "aten::_flash_attention_forward": "flash",
         "torch_attn::_varlen_attn": "flash_varlen",  # model.attn_implementation=varlen (src/attention.py)
+        # eager attention (transformers' eager_attention_forward): a plain softmax over the L x L scores, which
+        # are kept for the backward. SDPA's math path has a softmax of its own, so this counts only without SDPA.
+        "aten::_softmax": "eager",
     }
 
     def __init__(self, at_step: int) -> None:
@@ -75,6 +78,8 @@ class AttentionProbe(TrainerCallback):
             return
         self._mode.__exit__(None, None, None)
         self.kernels = {self.OPS[op] for op in self._mode.seen} or {"unknown"}
+        if len(self.kernels) > 1:
+            self.kernels.discard("eager")
         self._mode = None
         for hook in self._hooks:
             hook.remove()

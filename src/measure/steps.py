@@ -44,6 +44,7 @@ class Measurements(TrainerCallback):
 
     def __init__(self, cfg: Any, progress_path: Path, world_size: int = 1) -> None:
         self.warmup = cfg.measure.warmup_steps
+        self.world_size = world_size
         self.samples_per_step = (
             cfg.trainer.per_device_train_batch_size * cfg.trainer.gradient_accumulation_steps * world_size
         )
@@ -87,7 +88,7 @@ class Measurements(TrainerCallback):
         self.step = state.global_step
         record = {"step": self.step, "time_s": now - self._last_t, "tokens": tokens - self._last_tokens}
         if self.flops is not None:
-            record["flops"] = self.flops.take()
+            record["flops"], record["examples"] = self.flops.take()
         if self.cuda:
             record["vram_reserved_gib"] = torch.cuda.memory_reserved() / GIB
             record["vram_allocated_gib"] = torch.cuda.memory_allocated() / GIB
@@ -136,7 +137,16 @@ class Measurements(TrainerCallback):
             seconds = sum(s["time_s"] for s in measured)
             m["step_time_s"] = statistics.median(s["time_s"] for s in measured)
             m["tokens_per_s"] = sum(s["tokens"] for s in measured) / seconds
-            m["samples_per_s"] = self.samples_per_step * len(measured) / seconds
+            # Examples, not rows: a packed row holds several (counted by the FlopCounter's hook, on this rank's
+            # micro-batches; the other ranks see as many). Without the hook, rows per step.
+            examples = (
+                sum(s["examples"] for s in measured) * self.world_size
+                if all("examples" in s for s in measured)
+                else self.samples_per_step * len(measured)
+            )
+            m["samples_per_s"] = examples / seconds
+            # Non-padding tokens each optimizer step trained on: batch, accumulation and packing all change it.
+            m["tokens_per_optimizer_step"] = sum(s["tokens"] for s in measured) / len(measured)
             m["measured_steps"] = float(len(measured))
             if all("flops" in s for s in measured):
                 # Useful model FLOP/s (FlopCounter); MFU is this over the card's measured bf16 matmul rate.

@@ -90,7 +90,7 @@ def _check_lengths(cfg: DictConfig, report: Report, df: Any, rows: np.ndarray) -
     """The rendered chats' length distribution, and the rows whose answer max_seq_length would cut."""
     from src.data import length_stats, to_messages, token_lengths
 
-    full, prompt = token_lengths(to_messages(df, cfg.data), _load_tokenizer(cfg))
+    full, prompt = token_lengths(to_messages(df, cfg.data), load_tokenizer(cfg))
     limit = cfg.data.max_seq_length
     context = context_length(cfg)
     fits = int(full.max()) if not context or full.max() <= context else context
@@ -119,7 +119,7 @@ def _check_lengths(cfg: DictConfig, report: Report, df: Any, rows: np.ndarray) -
     )
 
 
-def _load_tokenizer(cfg: DictConfig) -> Any:
+def load_tokenizer(cfg: DictConfig) -> Any:
     """The model's own tokenizer, without loading weights (a random model's is built as it would be).
     Kept per model path: building the tiny model's tokenizer trains a BPE, a second each time."""
     from transformers import AutoTokenizer

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from src import redact, tracking
+from src import redact, stores, tracking
 from src.promote.choosing import NotPromotable, choose
 from src.promote.experiment import DEFAULT_EXPERIMENT_FILE, header, plan, trial_config
 from src.promote.registry import ALIAS, register, registry_state
@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     where = places(args.tracking_uri)
     model = args.registered_model or where.registered_model
+    tracking_key = "--tracking-uri" if args.tracking_uri else "tracking.uri"
+    try:
+        stores.check(stores.of_results(args.storage, where.tracking_uri, tracking_key, write=not args.dry_run))
+    except stores.StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         sweep = load(args.study, where.sweeps_dir, args.storage, args.margin, where.tracking_uri)
         row = choose(sweep, args.trial)

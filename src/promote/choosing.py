@@ -1,10 +1,11 @@
-"""Which trial is promoted: the best stable one by the study's first objective, or the stable one asked for; and
-when none qualifies, why, in counts."""
+"""Which trial is promoted: the best stable one by the study's first objective, or the stable one asked for; never
+one that cuts more answers than the truncation policy allows; and when none qualifies, why, in counts."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from src.report.text import fmt, share
 from src.study import Sweep, TrialRow
 
 
@@ -20,14 +21,38 @@ def choose(sweep: Sweep, trial: int | None = None) -> TrialRow:
             raise NotPromotable(f"study {sweep.name} has no trial {trial}")
         if row.verdict != "stable":
             raise NotPromotable(f"trial {trial} is {row.verdict} ({row.detail}), not stable")
+        if sweep.cuts_too_much(row):
+            raise NotPromotable(cuts_too_much(sweep, row))
         return row
     best = sweep.best()
     if best is not None:
         return best
     stable = [r for r in sweep.rows if r.verdict == "stable"]
+    cutting = [r for r in stable if sweep.cuts_too_much(r)]
+    if stable and len(cutting) == len(stable):
+        shown = ", ".join(f"trial {r.number} {share(sweep.cut_answers(r) or 0.0)}" for r in cutting[:5])
+        raise NotPromotable(
+            f"{len(stable)} stable trial(s), but each cuts more answers than "
+            f"preflight.max_truncated_answer_frac={sweep.max_truncated_answer_frac:g} allows ({shown}"
+            + (", ..." if len(cutting) > 5 else "")
+            + "): promote a setting with a longer data.max_seq_length, or shorten or drop the long rows"
+        )
     if stable:
         raise NotPromotable(f"{len(stable)} stable trial(s), but none recorded the objective {sweep.objectives[0]}")
     raise NotPromotable(why_none(sweep))
+
+
+def cuts_too_much(sweep: Sweep, row: TrialRow) -> str:
+    """Why a trial that cuts answers is not promoted, in the words of preflight's refusal of a single run: the
+    sweep measured the setting, training it would teach the model broken targets."""
+    seq = row.params.get("data.max_seq_length")
+    at = f"data.max_seq_length={fmt(seq)}" if seq is not None else "its data.max_seq_length"
+    return (
+        f"trial {row.number} cuts {share(sweep.cut_answers(row) or 0.0)} of the assistant answers at {at} (the "
+        f"model would learn a broken target); refused above "
+        f"preflight.max_truncated_answer_frac={sweep.max_truncated_answer_frac:g}. Promote a setting with a longer "
+        "data.max_seq_length, or shorten or drop the long rows"
+    )
 
 
 def why_none(sweep: Sweep) -> str:

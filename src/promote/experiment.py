@@ -156,6 +156,9 @@ def _settings(sweep: Sweep, row: TrialRow, trial: TrialConfig) -> Experiment:
         if probe in overrides:
             overrides.remove(probe)
             exp.probe.append(probe)
+    # A lever trial's overrides are on its command line (so in `overrides`) and in its Optuna record: the record
+    # is the authority, so a lever is carried even from a trial whose logged overrides lack it.
+    overrides += [o for o in row.lever if o not in overrides]
     parser = OverridesParser.create()
     items = [(o.key_or_group, o.value(), o) for o in parser.parse_overrides(overrides)]
     items += [(k, v, None) for k, v in row.params.items()]
@@ -242,8 +245,12 @@ def _notes(sweep: Sweep, row: TrialRow, exp: Experiment) -> list[str]:
         lines.append(
             f"            peak_vram_device_gib {m['peak_vram_device_gib']:.2f} (whole process, CUDA context incl.)"
         )
+    if row.lever:
+        lines.append(f"lever:      {' '.join(row.lever)} on top of the recipe's knobs (carried below)")
     if exp.probe:
-        lines.append(f"not carried: the sweep's probe length ({' '.join(exp.probe)}); add it to re-measure the trial")
+        lines.append(
+            f"not carried: how the sweep ran each trial ({' '.join(exp.probe)}); add it to re-measure the trial"
+        )
     if exp.left_out:
         lines.append(f"left out:   {'; '.join(exp.left_out)}")
     if exp.added:

@@ -21,6 +21,8 @@ _FIGURES = (
     "peak_vram_device_gib",
     "vram_headroom_frac",
     "vram_budget_gib",
+    "tokens_per_optimizer_step",
+    "truncated_answer_frac",
 )
 _HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")  # what a trial logs to its run as config/
 

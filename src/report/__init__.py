@@ -6,7 +6,9 @@ Every trial is classified (src.study) from what the sweep engine recorded in the
 figures MLflow holds): **stable** (finished, headroom against the VRAM budget at least the margin, the allocator
 never had to retry), **marginal** (finished, but under the margin or with allocator retries: one longer batch
 or a fragmented cache away from an OOM), **failed** (by kind), **skipped** (not launched: a repeat of a
-measured setting, or certain to OOM). The table goes to the terminal; `sweeps/<study>/report.md` and its
+measured setting, or certain to OOM). "What to change" (src.report.advice) answers the user's question in
+sentences from those measurements: the user's recipe, the smallest changes that make it stable, the fastest
+stable setting. The table and the sentences go to the terminal; `sweeps/<study>/report.md` and its
 pictures go beside the study and onto the sweep's parent MLflow run (artifacts under `report/`), and each
 trial's run gets a `report.class` tag so the MLflow UI can filter by it. `src.promote` uses the same classes.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from src.knobs import label
+from src.report.advice import what_to_change
 from src.report.importance import Importance, importance
 from src.report.plots import COLOURS, map_axes, plot_map, plot_memory, plot_throughput
 from src.report.publish import log_to_mlflow
@@ -41,6 +44,7 @@ __all__ = [
     "places",
     "summary",
     "table",
+    "what_to_change",
     "write",
 ]
 
@@ -51,6 +55,7 @@ class Report:
     files: list[Path]
     importances: list[Importance]
     logged_to: str | None
+    advice: list[str]  # the "What to change" sentences
 
 
 def write(sweep: Sweep) -> Report:
@@ -65,8 +70,9 @@ def write(sweep: Sweep) -> Report:
     plot_map(sweep, *axes, files[1])
     metric = plot_memory(sweep, *axes, files[2])
     plot_throughput(sweep, files[3])
-    files[0].write_text(markdown(sweep, imps, axes, metric))
-    return Report(sweep, files, imps, None)
+    advice = what_to_change(sweep)
+    files[0].write_text(markdown(sweep, imps, axes, metric, advice))
+    return Report(sweep, files, imps, None, advice)
 
 
 def main(argv: list[str] | None = None) -> int:

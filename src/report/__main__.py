@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from src import redact
+from src import redact, stores
 from src.report import load, log_to_mlflow, places, table, write
 from src.study import StudyNotFound, cli_parser
 
@@ -16,9 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-mlflow", action="store_true", help="do not log the report to the sweep's parent run")
     args = p.parse_args(argv)
     where = places(args.tracking_uri)
+    tracking_key = "--tracking-uri" if args.tracking_uri else "tracking.uri"
     try:
+        stores.check(stores.of_results(args.storage, where.tracking_uri, tracking_key, write=not args.no_mlflow))
         sweep = load(args.study, where.sweeps_dir, args.storage, args.margin, where.tracking_uri)
-    except StudyNotFound as exc:
+    except (stores.StoreError, StudyNotFound) as exc:
         print(f"error: {redact.redact_text(str(exc))}", file=sys.stderr)
         return 2
     report = write(sweep)
@@ -26,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         report.logged_to = log_to_mlflow(report, where.tracking_uri)
     console = Console() if sys.stdout.isatty() else Console(width=180)
     console.print(table(sweep))
+    print("what to change:")
+    for sentence in report.advice:
+        print(f"- {redact.redact_text(sentence)}")
     for imp in report.importances:
         top = ", ".join(f"{k} {v:.2f}" for k, v in list(imp.values.items())[:3])
         print(f"what moves {imp.target}: {top or imp.note}")

@@ -21,8 +21,9 @@ class Importance:
 
 def importance(sweep: Sweep, target: str, direction: str) -> Importance:
     """Optuna's fANOVA importances of the knobs for `target`, over the trials that finished (skipped repeats
-    excluded: they add no measurement). PED-ANOVA when fANOVA cannot fit; a reason when neither can run."""
-    rows = [r for r in sweep.rows if r.verdict in ("stable", "marginal") and target in r.metrics]
+    excluded: they add no measurement; lever trials too: their params are the recipe's, their setting is not).
+    PED-ANOVA when fANOVA cannot fit; a reason when neither can run."""
+    rows = [r for r in sweep.plain_rows() if r.verdict in ("stable", "marginal") and target in r.metrics]
     n = len(rows)
     if n < 2:
         return Importance(target, {}, "", f"not computed: {n} finished trial(s) with {target}; 2 or more needed", n)

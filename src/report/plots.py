@@ -25,14 +25,14 @@ def map_axes(sweep: Sweep, ranking: dict[str, float]) -> tuple[str | None, str |
     rest = [k for k in varying if k != x]
     if not rest:
         return x, None
-    values = {k: len({sort_key(r.params.get(k)) for r in sweep.rows}) for k in rest}
+    values = {k: len({sort_key(r.params.get(k)) for r in sweep.plain_rows()}) for k in rest}
     return x, max(rest, key=lambda k: (ranking.get(k, -1.0), values[k], -rest.index(k)))
 
 
 def _values(sweep: Sweep, knob: str | None) -> list[Any]:
     if knob is None:
         return [None]
-    found = {sort_key(r.params[knob]): r.params[knob] for r in sweep.rows if knob in r.params}
+    found = {sort_key(r.params[knob]): r.params[knob] for r in sweep.plain_rows() if knob in r.params}
     return sorted(found.values(), key=sort_key)
 
 
@@ -44,9 +44,9 @@ def _outcome(sweep: Sweep, row: TrialRow) -> str:
 
 
 def _repeat(sweep: Sweep, row: TrialRow) -> bool:
-    """A skipped trial with exactly its origin's setting: the map counts that setting once."""
+    """A skipped trial with exactly its origin's setting (params and lever): the map counts that setting once."""
     origin = sweep.row(row.because_of) if row.because_of is not None else None
-    return row.verdict == "skipped" and origin is not None and origin.params == row.params
+    return row.verdict == "skipped" and origin is not None and (origin.params, origin.lever) == (row.params, row.lever)
 
 
 # ---- the stability map -----------------------------------------------------------------------------------------------
@@ -55,7 +55,8 @@ _ORDER = ["untested", "failed", "marginal", "stable"]  # a cell's colour: the be
 
 
 def _cells(sweep: Sweep, x: str | None, y: str | None) -> tuple[list[list[int]], list[list[str]]]:
-    """Per cell (y row, x column): its colour's index in _ORDER and its text."""
+    """Per cell (y row, x column): its colour's index in _ORDER and its text. Lever trials stay out: they sit at
+    the recipe's params but are another setting (the trials table and the advice show them)."""
     xs, ys = _values(sweep, x), _values(sweep, y)
     grid = [[0] * len(xs) for _ in ys]
     text = [[""] * len(xs) for _ in ys]
@@ -63,7 +64,7 @@ def _cells(sweep: Sweep, x: str | None, y: str | None) -> tuple[list[list[int]],
         for i, xv in enumerate(xs):
             cell = [
                 r
-                for r in sweep.rows
+                for r in sweep.plain_rows()
                 if (x is None or sort_key(r.params.get(x)) == sort_key(xv))
                 and (y is None or sort_key(r.params.get(y)) == sort_key(yv))
                 and sweep.effective(r) in ("stable", "marginal", "failed")
@@ -119,7 +120,7 @@ def plot_memory(sweep: Sweep, x: str | None, series: str | None, path: Path) -> 
     Returns the metric drawn: host RSS when the study ran without a GPU (VRAM all zero)."""
     import matplotlib.pyplot as plt
 
-    finished = [r for r in sweep.rows if r.verdict in ("stable", "marginal")]
+    finished = [r for r in sweep.plain_rows() if r.verdict in ("stable", "marginal")]  # levers: not on these axes
     metric = "peak_vram_reserved_gib"
     if not any(r.metrics.get(metric) for r in finished):
         metric = "peak_rss_gib"
@@ -190,7 +191,7 @@ def _budget_lines(ax: Any, sweep: Sweep, x: str | None, pos: Any) -> None:
         lw=1.0,
         label=f"margin {sweep.margin:.0%}",
     )
-    ooms = [r for r in sweep.rows if r.verdict == "failed" and r.failure_kind in MEMORY and x in r.params]
+    ooms = [r for r in sweep.plain_rows() if r.verdict == "failed" and r.failure_kind in MEMORY and x in r.params]
     for r in ooms:
         needed = oom_needed_gib(r.metrics, sweep.budget)
         ax.plot(
@@ -220,7 +221,12 @@ def plot_throughput(sweep: Sweep, path: Path, limit: int = 40) -> None:
     else:
         # label each bar by the knobs that differ among the bars shown
         knobs = [k for k in sweep.knobs if len({sort_key(r.params.get(k)) for r in rows}) > 1]
-        names = [f"#{r.number}  " + " ".join(f"{label(k)}={fmt(r.params.get(k))}" for k in knobs) for r in rows]
+        names = [
+            f"#{r.number}  "
+            + " ".join(f"{label(k)}={fmt(r.params.get(k))}" for k in knobs)
+            + (f" +{r.change()}" if r.lever else "")  # a lever trial: the recipe's knobs plus its change
+            for r in rows
+        ]
         speeds = [r.metrics["tokens_per_s"] for r in rows]
         bars = ax.barh(range(len(rows)), speeds, color=[COLOURS[r.verdict] for r in rows])
         ax.set_yticks(range(len(rows)), names, fontsize=8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from src import redact
@@ -23,6 +24,15 @@ _FIGURES = (
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("step_time_s", "step s", "{:.3f}"),
 )
+# Shown only where some trial recorded them (studies from before the engine measured them have none).
+_OPTIONAL = (("tokens_per_optimizer_step", "tokens/opt step", "{:,.0f}"),)
+
+
+def share(frac: float) -> str:
+    """A share as the report words it: "4%", "0.4%", "12.5%"; never "0%" for a share that is not 0."""
+    if 0 < frac < 0.0005:
+        return "<0.1%"
+    return f"{frac:.1%}".replace(".0%", "%")
 
 
 def fmt(value: Any) -> str:
@@ -34,15 +44,42 @@ def fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def _cells(sweep: Sweep, row: TrialRow) -> list[str]:
-    figures = [form.format(row.metrics[m]) if m in row.metrics else "" for m, _, form in _FIGURES]
+def _columns(sweep: Sweep) -> list[tuple[str, Callable[[TrialRow], str]]]:
+    """The table's columns (header, cell) for this sweep: a lever's change and the share of answers cut only
+    where some trial has them."""
+    cols: list[tuple[str, Callable[[TrialRow], str]]] = [("#", lambda r: str(r.number))]
+    cols += [(label(k), lambda r, k=k: fmt(r.params.get(k))) for k in sweep.knobs]
+    if any(r.lever for r in sweep.rows):
+        cols.append(("change", TrialRow.change))
+    cols += [("class", lambda r: r.verdict), ("detail", lambda r: r.detail)]
+    figures = _FIGURES + tuple(f for f in _OPTIONAL if any(f[0] in r.metrics for r in sweep.rows))
+    cols += [(head, lambda r, m=m, form=form: _figure(r, m, form)) for m, head, form in figures]
+    if any(sweep.cut_answers(r) is not None for r in sweep.rows):
+        cols.append(("cut answers", lambda r: _cut_cell(sweep, r)))
+    return cols
+
+
+def _figure(row: TrialRow, metric: str, form: str) -> str:
+    if metric not in row.metrics:
+        return ""
     if row.verdict in ("failed", "skipped") and row.metrics.get("peak_vram_reserved_gib", 0) == 0:
-        figures = ["" for _ in figures]  # a failed trial's zeros are "not measured", not "used nothing"
-    return [str(row.number), *(fmt(row.params.get(k)) for k in sweep.knobs), row.verdict, row.detail, *figures]
+        return ""  # a failed trial's zeros are "not measured", not "used nothing"
+    return form.format(row.metrics[metric])
 
 
-def _headers(sweep: Sweep) -> list[str]:
-    return ["#", *(label(k) for k in sweep.knobs), "class", "detail", *(h for _, h, _ in _FIGURES)]
+def _cut_cell(sweep: Sweep, row: TrialRow) -> str:
+    """The share of answers cut (known before any GPU work, so shown for failed trials too); "> policy" marks a
+    setting that is never promoted."""
+    cut = sweep.cut_answers(row)
+    if cut is None:
+        return ""
+    return share(cut) + (f" > {share(sweep.max_truncated_answer_frac or 0.0)}" if sweep.cuts_too_much(row) else "")
+
+
+def _grid(sweep: Sweep) -> tuple[list[str], list[list[str]]]:
+    """The table's headers and one row of cells per trial."""
+    cols = _columns(sweep)
+    return [head for head, _ in cols], [[cell(r) for _, cell in cols] for r in sweep.rows]
 
 
 def table(sweep: Sweep) -> Any:
@@ -56,10 +93,11 @@ def table(sweep: Sweep) -> Any:
         caption=sweep.shared_card_caption(),
         caption_justify="left",
     )
-    for h in _headers(sweep):
-        t.add_column(h, justify="right" if h not in ("class", "detail") else "left")
-    for row in sweep.rows:
-        t.add_row(*_cells(sweep, row), style=styles.get(row.verdict))
+    headers, cells = _grid(sweep)
+    for h in headers:
+        t.add_column(h, justify="right" if h not in ("change", "class", "detail") else "left")
+    for row, line in zip(sweep.rows, cells, strict=True):
+        t.add_row(*line, style=styles.get(row.verdict))
     return t
 
 
@@ -85,11 +123,18 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
 # ---- report.md, section by section --------------------------------------------------------------------------------
 
 
-def markdown(sweep: Sweep, imps: list[Importance], axes: tuple[str | None, str | None], memory_metric: str) -> str:
+def markdown(
+    sweep: Sweep,
+    imps: list[Importance],
+    axes: tuple[str | None, str | None],
+    memory_metric: str,
+    advice: list[str] | None = None,
+) -> str:
     """report.md, with every credential redacted (it names the storage, quotes failure messages, and is
-    uploaded to MLflow as an artifact)."""
+    uploaded to MLflow as an artifact). `advice`: the "What to change" sentences (src.report.advice)."""
     out = [
         *_opening(sweep),
+        *(["## What to change", "", *(f"- {line}" for line in advice), ""] if advice else []),
         *_pictures(sweep, axes, memory_metric),
         *_importances(imps),
         *_trials(sweep),
@@ -112,12 +157,15 @@ def _opening(sweep: Sweep) -> list[str]:
         "",
     ]
     if not best:
-        return [*out, "No stable setting: nothing to promote.", ""]
+        cutting = any(r.verdict == "stable" and sweep.cuts_too_much(r) for r in sweep.rows)
+        policy = f" within preflight.max_truncated_answer_frac={sweep.max_truncated_answer_frac:g}" if cutting else ""
+        return [*out, f"No stable setting{policy}: nothing to promote.", ""]
     m = best.metrics
+    setting = [f"{k}={fmt(best.params[k])}" for k in sweep.knobs if k in best.params] + best.lever
     return [
         *out,
         f"Best stable setting by the study's objective ({objective}, {direction}): **trial {best.number}** "
-        f"({', '.join(f'{k}={fmt(best.params[k])}' for k in sweep.knobs if k in best.params)}): "
+        f"({', '.join(setting)}): "
         f"{m.get(objective, float('nan')):.4g} {objective}, peak reserved {m.get('peak_vram_reserved_gib', 0):.2f} GiB, "
         f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}"
         + (
@@ -194,7 +242,26 @@ def _importances(imps: list[Importance]) -> list[str]:
 
 def _trials(sweep: Sweep) -> list[str]:
     """Every trial in a table, then the failures grouped by kind with their commonest messages."""
-    out = ["## Trials", "", _md_table(_headers(sweep), [_cells(sweep, r) for r in sweep.rows]), ""]
+    out = ["## Trials", "", _md_table(*_grid(sweep)), ""]
+    if any(r.lever for r in sweep.rows):
+        out += [
+            "change: a lever trial, the recipe's knobs with this override on top (measured because the recipe was "
+            "not stable); it stays off the map and the importances, which group trials by their knobs.",
+            "",
+        ]
+    if any(sweep.cut_answers(r) is not None for r in sweep.rows):
+        policy = sweep.max_truncated_answer_frac
+        out += [
+            "cut answers: the share of answers this data.max_seq_length cuts (`truncated_answer_frac`, known before "
+            "any GPU work); the sweep measured such settings instead of refusing them"
+            + (
+                f". Above preflight.max_truncated_answer_frac={policy:g} (marked `> {share(policy)}`) a setting keeps "
+                "its class but is never the best or promoted, and a single run refuses it."
+                if policy is not None
+                else "."
+            ),
+            "",
+        ]
     failures: dict[str, list[TrialRow]] = {}
     for r in sweep.rows:
         if r.verdict == "failed":
@@ -218,7 +285,7 @@ def _classes(sweep: Sweep) -> list[str]:
         "- **marginal**: finished, but under the margin or with allocator retries: a longer batch or a fragmented "
         "cache away from an OOM.",
         "- **failed**: by `failure.kind` (oom, data_error and config_error are the setting's own; the others are "
-        "the process's: segfault, timeout, ...).",
+        "the process's: segfault, timeout, host_oom (the machine's RAM, not the card's), ...).",
         "- **skipped**: not launched; the trial it follows from tells its outcome.",
         "",
         f"Storage: `{sweep.storage}`. Trial logs: `{sweep.study_dir / 'trials'}`.",

@@ -6,5 +6,5 @@ records it all. Nothing is imported here: the forkserver preloads `src.sweep.war
 - `process`: one trial's process, watched (`launcher`, `warm`: how it starts);
 - `storage`: the study, the lock every worker takes to ask, recovery of trials whose worker died;
 - `runs`: the sweep's MLflow runs; `rules`: what is not launched and how a failure is told to Optuna;
-- `tally`: counts, progress bar, summary; `engine`: the loop.
+- `tally`: counts, progress bar, summary; `stop`: how a sweep stops early (signals, a full disk); `engine`: the loop.
 """

@@ -20,12 +20,13 @@ import faulthandler
 import logging
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from src.trial.handoff import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -127,15 +128,11 @@ def start(ctx: Any, argv: list[str], stdout: Path, stderr: Path, env: dict[str, 
 
 
 def child_setup() -> None:
-    """In the trial process: its own process group (killed as one), and death when its parent (the engine, or
-    the forkserver that the engine owns) dies."""
+    """In a forked trial: its own session (killed as one group), and death when its parent (the forkserver, which
+    dies with the engine) dies."""
+    parent = os.getppid()
     os.setsid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent(parent)
 
 
 def _trial_main(argv: list[str], stdout: str, stderr: str, env: dict[str, str]) -> None:

@@ -1,6 +1,11 @@
 """One trial's process: `python -m src.train <overrides>` (or a fork of a warm interpreter) in a session of its
-own, watched for the time limit and for steps that stop coming, and how it ended, read from the trial's own
-result file or, when it died without one, from its exit code and the tail of its stderr.
+own, watched for the time limit, for steps that stop coming and for the sweep stopping (src/sweep/stop.py), and
+how it ended, read from the trial's own result file or, when it died without one, from its exit code and the
+tail of its stderr.
+
+A fresh interpreter is started with `start_new_session`, not a `preexec_fn` (which can deadlock a child forked
+from a threaded parent: the engine runs one thread per slot); it asks for its parent-death signal itself, first
+thing (src/trial/handoff.py `die_with_parent`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from omegaconf import DictConfig
 from src.failures import classify_exit, first_line
 from src.redact import redact_text
 from src.sweep import launcher
-from src.trial.handoff import PROGRESS_FILE, RESULT_FILE, STARTED_ENV
+from src.sweep.stop import stopping
+from src.trial.handoff import PARENT_ENV, PROGRESS_FILE, RESULT_FILE, STARTED_ENV
 
 
 @dataclass
@@ -59,42 +65,48 @@ def run_process(
     ctx = launcher.forkserver(preload) if preload else None
     started = time.time()
     extra_env[STARTED_ENV] = repr(started)  # the trial's start-up is counted from here (src/measure/)
-    timed_out = False
+    how = "forkserver" if ctx is not None else "interpreter"
+    if stopping.is_set():  # asked as the sweep stopped: not launched
+        return _stopped(log_dir, how, None)
+    timed_out = interrupted = False
     with (log_dir / "stdout.log").open("wb") as out, (log_dir / "stderr.log").open("wb") as err:
         if ctx is not None:  # forked from the warm interpreter: no imports to pay (src/sweep/launcher.py)
             proc: Any = launcher.start(ctx, argv, log_dir / "stdout.log", log_dir / "stderr.log", extra_env)
         else:
-            proc = subprocess.Popen(  # noqa: PLW1509 - the child's own session, see launcher.child_setup
-                cmd, stdout=out, stderr=err, env={**os.environ, **extra_env}, preexec_fn=launcher.child_setup
-            )
-        last_beat = 0.0
-        while proc.poll() is None:
-            time.sleep(0.2)
-            now = time.time()
-            if heartbeat and now - last_beat >= sweeper.heartbeat_interval_s:
-                heartbeat()
-                last_beat = now
-            progress = read_json(log_dir / PROGRESS_FILE)
-            stalled = progress.get("phase") == "training" and now - progress.get("time", now) > sweeper.stall_timeout_s
-            if now - started > sweeper.trial_timeout_s or stalled:
-                timed_out = True
-                why = (
-                    f"{sweeper.stall_timeout_s:g}s without a step"
-                    if stalled
-                    else (f"hydra.sweeper.trial_timeout_s={sweeper.trial_timeout_s:g}")
+            extra_env[PARENT_ENV] = str(os.getpid())  # the trial dies with this process (handoff.die_with_parent)
+            env = {**os.environ, **extra_env}
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            last_beat = 0.0
+            while proc.poll() is None:
+                time.sleep(0.2)
+                now = time.time()
+                if heartbeat and now - last_beat >= sweeper.heartbeat_interval_s:
+                    heartbeat()
+                    last_beat = now
+                progress = read_json(log_dir / PROGRESS_FILE)
+                stalled = (
+                    progress.get("phase") == "training" and now - progress.get("time", now) > sweeper.stall_timeout_s
                 )
-                stop_process_group(proc)
-    how = "forkserver" if ctx is not None else "interpreter"
-    result = read_json(log_dir / RESULT_FILE)
+                if stopping.is_set():
+                    interrupted = True
+                    stop_process_group(proc)
+                elif now - started > sweeper.trial_timeout_s or stalled:
+                    timed_out = True
+                    why = (
+                        f"{sweeper.stall_timeout_s:g}s without a step"
+                        if stalled
+                        else (f"hydra.sweeper.trial_timeout_s={sweeper.trial_timeout_s:g}")
+                    )
+                    stop_process_group(proc)
+        except BaseException:  # the watch itself failed (a store that takes no heartbeat): no trial left behind
+            stop_process_group(proc)
+            raise
+    result = recorded_outcome(log_dir, launcher=how)
     if result and not timed_out:
-        return Outcome(
-            status=result["status"],
-            metrics=result.get("metrics", {}),
-            failure=result.get("failure"),
-            attention_kernel=result.get("attention_kernel"),
-            log_dir=log_dir,
-            launcher=how,
-        )
+        return result  # finished, even if the sweep stopped meanwhile: what it measured stands
+    if interrupted:
+        return _stopped(log_dir, how, read_json(log_dir / PROGRESS_FILE))
     stderr = tail(log_dir / "stderr.log")
     progress = read_json(log_dir / PROGRESS_FILE)
     kind = classify_exit(proc.returncode, stderr, timed_out=timed_out)
@@ -113,6 +125,29 @@ def run_process(
         log_dir=log_dir,
         launcher=how,
     )
+
+
+def recorded_outcome(log_dir: Path, run_id: str | None = None, launcher: str = "unknown") -> Outcome | None:
+    """The outcome the trial wrote in `log_dir` (result.json, for MLflow run `run_id` where given), if it wrote one."""
+    result = read_json(log_dir / RESULT_FILE)
+    if not result or (run_id is not None and result.get("run_id") != run_id):
+        return None
+    return Outcome(
+        status=result["status"],
+        metrics=result.get("metrics", {}),
+        failure=result.get("failure"),
+        attention_kernel=result.get("attention_kernel"),
+        log_dir=log_dir,
+        launcher=launcher,
+    )
+
+
+def _stopped(log_dir: Path, how: str, progress: dict[str, Any] | None) -> Outcome:
+    """A trial ended (or never launched) because the sweep stopped: killed, and why."""
+    stopping.count_stopped()
+    step = progress.get("step", 0) + 1 if progress and progress.get("phase") == "training" else None
+    failure = {"kind": "killed", "message": f"{stopping.reason} while this trial ran", "step": step}
+    return Outcome("failed", failure=failure, recorded=False, log_dir=log_dir, launcher=how)
 
 
 def _preload_modules(setting: Any) -> list[str]:

@@ -12,6 +12,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from src.failures import MEMORY, oom_needed_gib
 from src.knobs import MEMORY_DIRECTIONS
+from src.sweep.recipe import lever_overrides
 
 # Failures that the setting itself causes, the same way every time: the sampler must steer away from them.
 SETTING_FAILURES = (*MEMORY, "data_error", "config_error")
@@ -40,6 +41,7 @@ class LaunchRules:
             if (
                 t.number != trial.number
                 and t.params == trial.params
+                and lever_overrides(t) == lever_overrides(trial)
                 and t.user_attrs.get("trial.status") in ("ok", "failed")
             ):
                 return t
@@ -59,8 +61,8 @@ class LaunchRules:
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             if t.user_attrs.get("failure.kind") not in MEMORY or t.user_attrs.get("trial.status") != "failed":
                 continue
-            if set(t.params) != set(proposal):
-                continue
+            if set(t.params) != set(proposal) or lever_overrides(t) != lever_overrides(trial):
+                continue  # a lever changes a knob outside the params: only the same lever compares
             # A packed (padding-free) micro-batch is as large as the rows packed into it: which rows share a
             # batch (group_by_length) and how many rows the probe has (accumulation) then move the peak.
             packed = self.packed(proposal) or self.packed(t.params)

@@ -1,5 +1,5 @@
 """The sweep's MLflow runs: one experiment per study, one parent run per sweep (every worker's), one child run per
-trial, and closing the run of a trial whose worker died.
+trial, what a trial's run says it measured, and closing the run of a trial whose worker died.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from src import tracking
+from src.sweep.process import Outcome
 
 
 class SweepRuns:
@@ -64,10 +65,38 @@ class SweepRuns:
         )
         return [r.info.run_id for r in runs if r.data.tags.get("mlflow.parentRunId") == self.parent]
 
+    def recorded(self, run_id: str) -> Outcome | None:
+        """What a trial's run says it measured, if it was ended with an outcome (by its trial, or by the engine for a
+        process that died without one); None while it runs or when it holds none."""
+        try:
+            run = self.client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - gone or unreachable: no record to go by
+            return None
+        tags = run.data.tags
+        status = tags.get("trial.status")
+        if run.info.status not in ("FINISHED", "FAILED", "KILLED") or status not in ("ok", "failed"):
+            return None
+        failure = None
+        if status == "failed":
+            step = tags.get("failure.step")
+            failure = {
+                "kind": tags.get("failure.kind", "other"),
+                "message": tags.get("failure.message", ""),
+                "step": int(step) if step and step.isdigit() else None,
+            }
+        launcher = tags.get("trial.launcher", "unknown")
+        metrics = dict(run.data.metrics)
+        return Outcome(status, metrics, failure, attention_kernel=tags.get("attention.kernel"), launcher=launcher)
+
+    def end(self, run_id: str, status: str) -> None:
+        """End a run its trial recorded but did not end (killed between its result file and its run's end)."""
+        if self.client.get_run(run_id).info.status == "RUNNING":
+            self.client.set_terminated(run_id, "FINISHED" if status == "ok" else "FAILED")
+
     def close_dead(self, trial: FrozenTrial, failure: dict[str, Any]) -> str:
         """The run of a trial whose worker died, closed as KILLED (created if the worker died before making it).
-        A FINISHED run too: the trial recorded itself but its worker died before telling Optuna, which holds it
-        as killed, and MLflow must say the same; a FAILED run keeps the trial's own, more precise failure."""
+        A FINISHED run too, when Optuna's own stale-trial machinery failed the trial before its records were read:
+        Optuna holds it as killed, and MLflow must say the same; a FAILED run keeps the trial's own failure."""
         run_id = trial.user_attrs.get("mlflow_run_id")
         if run_id is None:
             run_id = next(iter(self.of_trial(trial.number)), None) or self.child(trial.number, "unknown")

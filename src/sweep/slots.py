@@ -1,5 +1,6 @@
 """Where trials run: one slot per GPU group (`gpus_per_trial` whole cards, `slots_per_gpu` trials per card), or
-CPU slots where there is no GPU; each slot is the environment its trial process gets.
+CPU slots where there is no GPU; each slot is the environment its trial process gets. The counts that decide
+how many trials run (`n_trials`, `n_jobs`) are checked here too, with the slots: before anything is recorded.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from omegaconf import DictConfig
 from src import gpus
 
 
+class SlotsError(ValueError):
+    """A sweeper setting that would run nothing or cannot be met here; the message names the key."""
+
+
 @dataclass(frozen=True)
 class Slot:
     name: str
@@ -19,12 +24,14 @@ class Slot:
 
 
 def discover_slots(sweeper: DictConfig) -> list[Slot]:
-    for key in ("gpus_per_trial", "slots_per_gpu", "cpu_slots"):
+    for key in ("gpus_per_trial", "slots_per_gpu", "cpu_slots", "n_trials"):
         if int(sweeper[key]) < 1:
-            raise ValueError(f"hydra.sweeper.{key}={sweeper[key]}: must be at least 1")
+            raise SlotsError(f"hydra.sweeper.{key}={sweeper[key]}: must be at least 1")
+    if sweeper.n_jobs is not None and int(sweeper.n_jobs) < 1:  # 0 and -1 mean "all" elsewhere: refused, not guessed
+        raise SlotsError(f"hydra.sweeper.n_jobs={sweeper.n_jobs}: must be at least 1 (or null: one trial per slot)")
     devices = list(sweeper.devices) if sweeper.devices is not None else gpus.indices()
     if devices and sweeper.gpus_per_trial > len(devices):
-        raise ValueError(
+        raise SlotsError(
             f"hydra.sweeper.gpus_per_trial={sweeper.gpus_per_trial} but this machine shows {len(devices)} GPU(s) "
             f"({devices}); lower gpus_per_trial or set hydra.sweeper.devices"
         )

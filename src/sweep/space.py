@@ -1,5 +1,6 @@
 """The search space: Optuna distributions from hydra-optuna-sweeper's grammar (choice, range, interval,
-tag(log, ...)), which command-line overrides are swept, and whether a setting lies inside the space.
+tag(log, ...)), which command-line overrides are swept, whether a setting lies inside the space, and what a space
+may not hold (a credential).
 """
 
 from __future__ import annotations
@@ -8,9 +9,15 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
+from omegaconf import OmegaConf
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
+from src import redact
 from src.config import override_value
+
+
+class SpaceError(ValueError):
+    """A search space that cannot be swept; the message names the key (and never repeats a credential)."""
 
 
 def distribution(override: Override) -> BaseDistribution | Any:
@@ -76,3 +83,28 @@ def split_arguments(
     base = params if (params or cli_space or custom) else default_params
     space = {key: distribution(parser.parse_override(f"{key}={value}")) for key, value in base.items()}
     return fixed, {**space, **cli_space}
+
+
+def refuse_credentials(space: dict[str, Any], enqueue_trials: Any) -> None:
+    """Optuna keeps every choice of a space (trial_params.distribution_json) and every enqueued value in clear, and
+    the report prints them: a credential among them is refused, naming its key, before anything is stored."""
+    if OmegaConf.is_config(enqueue_trials):
+        enqueue_trials = OmegaConf.to_container(enqueue_trials, resolve=True)
+    values = [(key, v) for key, dist in space.items() for v in _values(dist)]
+    for i, trial in enumerate(enqueue_trials or []):
+        values += [(f"{key} (hydra.sweeper.enqueue_trials[{i}])", v) for key, v in trial.items()]
+    held = redact.secret_values()
+    for key, value in values:
+        what = redact.credential_in(str(value), held)
+        if what:
+            raise SpaceError(
+                f"{key} holds {what}: Optuna keeps a sweep's choices and enqueued values in clear (in its storage, "
+                "and the report prints them). Take it out of the sweep; credentials go in the environment (HF_TOKEN, "
+                "MLFLOW_TRACKING_PASSWORD, PGPASSWORD), never in a config or an override."
+            )
+
+
+def _values(dist: BaseDistribution | Any) -> list[Any]:
+    if isinstance(dist, CategoricalDistribution):
+        return list(dist.choices)
+    return [] if isinstance(dist, BaseDistribution) else [dist]  # a numeric range holds no text

@@ -1,6 +1,7 @@
 """The study in its Optuna RDB storage: opening it (sampler, seeds of joining workers), the lock every worker takes
 to count and ask, and recovery of trials whose worker died (a dead process on this host, or a heartbeat that
-stopped on any host, through Optuna's own stale-trial machinery).
+stopped on any host). A trial that had finished and recorded itself when its worker died is told what its own
+records say; only the others are failed as killed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from src.study import STALE_KIND, STALE_MESSAGE, retried_numbers, study_storage
+from src.sweep.recipe import LEVER
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +34,26 @@ DEAD_WORKER = {"kind": STALE_KIND, "message": STALE_MESSAGE, "step": None}
 
 # Called with (study, trial) for each trial whose worker died, to close its MLflow run; returns the run's id.
 OnDead = Callable[[optuna.Study, FrozenTrial], str | None]
+# Called first: tells the trial what its own records say it measured, if they say it finished (True).
+FromRecords = Callable[[optuna.Study, FrozenTrial], bool]
 
 
 class StudyStore:
-    def __init__(self, sweeper: DictConfig, study_name: str, study_dir: Path, host: str, on_dead: OnDead) -> None:
+    def __init__(
+        self,
+        sweeper: DictConfig,
+        study_name: str,
+        study_dir: Path,
+        host: str,
+        on_dead: OnDead,
+        from_records: FromRecords,
+    ) -> None:
         self.sweeper = sweeper
         self.study_name = study_name
         self.study_dir = study_dir
         self.host = host
         self.on_dead = on_dead
+        self.from_records = from_records
         self._lock_engine: sqlalchemy.Engine | None = None
         self.storage: optuna.storages.RDBStorage | None = None
         self.study_id: int | None = None
@@ -132,10 +145,20 @@ class StudyStore:
     # -- what the study holds --
 
     def occupied(self, study: optuna.Study) -> int:
-        """Finished and running trials, a retried trial counted once (by its retry)."""
-        retried = retried_numbers(study.get_trials(deepcopy=False))
-        trials = study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
-        return sum(1 for t in trials if t.number not in retried)
+        """Finished and running trials toward `n_trials`: a retried trial counted once (by its retry), the recipe's
+        lever trials not at all (they are extra: src/sweep/recipe.py)."""
+        trials = study.get_trials(deepcopy=False)
+        retried = retried_numbers(trials)
+        return sum(
+            1
+            for t in trials
+            if t.state in (*FINISHED, TrialState.RUNNING) and t.number not in retried and LEVER not in t.user_attrs
+        )
+
+    def full(self, study: optuna.Study, n_trials: int) -> bool:
+        """The study holds `n_trials` trials and no lever trial waits to run."""
+        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        return self.occupied(study) >= n_trials and not any(LEVER in t.user_attrs for t in waiting)
 
     def others_running(self, study: optuna.Study) -> list[FrozenTrial]:
         """Running trials of other sweep processes (this process's own are watched by its own threads)."""
@@ -149,26 +172,44 @@ class StudyStore:
     # -- recovery --
 
     def recover(self, study: optuna.Study) -> None:
-        """Fail trials whose worker is gone: on any host, its heartbeat expired (Optuna's own rule and machinery,
-        which calls `_stale` for each); on this host, its process is dead (no need to wait for the heartbeat)."""
+        """Settle trials whose worker is gone: on any host, its heartbeat expired (Optuna's rule); on this host, its
+        process is dead (no need to wait for the heartbeat). Each is told from its own records if they say it
+        finished (`from_records`), else failed as killed while still running (Optuna freezes a finished trial,
+        so what it died of is written first)."""
+        stale = self._stale_numbers()
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            here = t.user_attrs.get("worker.host") == self.host
+            dead = t.number in stale or (
+                here and not _alive(t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started"))
+            )
+            if not dead or self.from_records(study, t):
+                continue
+            run_id = self.on_dead(study, t)
+            attrs = {f"failure.{k}": v for k, v in DEAD_WORKER.items() if v is not None}
+            attrs["trial.status"] = "failed"
+            if run_id and "mlflow_run_id" not in t.user_attrs:
+                attrs["mlflow_run_id"] = run_id
+            self.set_attrs(t.number, attrs)
+            if self.storage.set_trial_state_values(self.trial_id(t.number), TrialState.FAIL):
+                self._requeue(study, t)
+        # Optuna's own machinery, for a heartbeat that expired since the look above (it fails first, then calls
+        # `_stale`): milliseconds against a grace period, but no trial is ever left running for ever.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
-        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            here = t.user_attrs.get("worker.host") == self.host
-            if here and not _alive(t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started")):
-                # Still running in the storage: what it died of is written first (Optuna freezes a finished trial).
-                run_id = self.on_dead(study, t)
-                attrs = {f"failure.{k}": v for k, v in DEAD_WORKER.items() if v is not None}
-                attrs["trial.status"] = "failed"
-                if run_id and "mlflow_run_id" not in t.user_attrs:
-                    attrs["mlflow_run_id"] = run_id
-                self.set_attrs(t.number, attrs)
-                if self.storage.set_trial_state_values(self.trial_id(t.number), TrialState.FAIL):
-                    self._requeue(study, t)
+
+    def _stale_numbers(self) -> set[int]:
+        """Running trials whose heartbeat expired: what fail_stale_trials would fail, seen before it fails them so
+        that their records are read first. No public API says it without failing them: this is the call
+        fail_stale_trials makes (RDBStorage, checked against Optuna 4.2-5.1)."""
+        if self.storage.get_heartbeat_interval() is None:
+            return set()
+        ids = self.storage._get_stale_trial_ids(self.study_id)
+        return {self.storage.get_trial_number_from_id(i) for i in ids}
 
     def _stale(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        """Optuna failed `trial` (its heartbeat stopped): close its MLflow run, queue it again if asked."""
+        """Optuna failed `trial` (its heartbeat stopped since `recover` looked): close its MLflow run, queue it
+        again if asked."""
         self.on_dead(study, trial)
         self._requeue(study, trial)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from src import tracking
+from src import stores, tracking
 from src.config import to_container
 from src.failures import ConfigError, DataError, Failure, classify_exception, first_line, oom_request_gib
 from src.trial.handoff import PROGRESS_FILE, RESULT_FILE, RUN_ENV
@@ -27,6 +27,8 @@ HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")  # what Hydra save
 
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run one trial and record it; returns the outcome (also written to result.json)."""
+    # A password in tracking.uri, a store that cannot be reached or written: one line, before torch or MLflow.
+    stores.require(stores.of_trial(cfg))
     state: dict[str, Any] = {}
     _mark(state, "python_and_hydra")  # the interpreter (or the fork) and Hydra's composition of the config
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -179,11 +181,11 @@ def _dataset(cfg: DictConfig, tokenizer: Any, world_size: int) -> tuple[Any, dic
     import numpy as np
     from datasets import Dataset
 
-    from src.data import length_stats, load_table, probe_rows, to_messages, token_lengths
+    from src.data import length_stats, load_table, probe_rows, to_messages, token_lengths, truncation
 
     df = load_table(cfg.data)
     chats = to_messages(df, cfg.data)
-    lengths, _ = token_lengths(chats, tokenizer)
+    lengths, prompts = token_lengths(chats, tokenizer)
     truncated = np.minimum(lengths, cfg.data.max_seq_length)
     t = cfg.trainer
     if t.max_steps > 0:
@@ -194,6 +196,7 @@ def _dataset(cfg: DictConfig, tokenizer: Any, world_size: int) -> tuple[Any, dic
     stats = {f"data.{k}": v for k, v in length_stats(lengths).items()}
     stats["data.rows"] = float(len(df))
     stats["data.rows_truncated"] = float((lengths > cfg.data.max_seq_length).sum())
+    stats.update(truncation(lengths, prompts, cfg.data.max_seq_length))
     return Dataset.from_dict({"messages": chats}), stats
 
 

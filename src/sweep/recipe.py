@@ -1,0 +1,54 @@
+"""The user's recipe in a sweep: the first queued setting is marked as the recipe, and when it is not stable the
+known memory levers (src/knobs.py) are measured on it, one at a time, so that each sentence of the report's "What to
+change" rests on a trial. A lever trial has the recipe's params and its own overrides, recorded on the trial.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import optuna
+from omegaconf import DictConfig, OmegaConf
+
+from src import knobs
+from src.config import override_value
+
+RECIPE = "sweep.recipe"  # user attr: True on the user's recipe's trial
+LEVER = "sweep.lever"  # user attr: JSON list of the overrides a lever trial adds to the recipe
+LEVER_OF = "sweep.lever_of"  # user attr: the recipe trial's number
+
+
+def lever_overrides(trial: Any) -> list[str]:
+    """The overrides a trial adds to its params ([] for any trial but a lever's)."""
+    return json.loads(getattr(trial, "user_attrs", {}).get(LEVER, "[]"))
+
+
+def levers(config: DictConfig, recipe_params: dict[str, Any]) -> list[list[str]]:
+    """One override per registered lever that would change the recipe; knobs the sweep varies are left to the map."""
+    found = []
+    for knob in knobs.levers():
+        if knob.key in recipe_params:
+            continue
+        current = OmegaConf.select(config, knob.key)
+        if knob.lever == "half":
+            if not isinstance(current, int) or current < 2:
+                continue
+            value = current // 2
+        else:
+            value = knob.lever
+        if value != current:
+            found.append([f"{knob.key}={override_value(value)}"])
+    return found
+
+
+def queue_levers(study: optuna.Study, config: DictConfig, recipe: optuna.trial.FrozenTrial) -> list[list[str]]:
+    """Queue the recipe's lever trials once (a resumed sweep finds them queued or done); returns those queued."""
+    done = {t.user_attrs.get(LEVER) for t in study.get_trials(deepcopy=False) if t.user_attrs.get(LEVER_OF) is not None}
+    queued = []
+    for overrides in levers(config, dict(recipe.params)):
+        if json.dumps(overrides) in done:
+            continue
+        study.enqueue_trial(dict(recipe.params), user_attrs={LEVER: json.dumps(overrides), LEVER_OF: recipe.number})
+        queued.append(overrides)
+    return queued

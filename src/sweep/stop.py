@@ -1,0 +1,158 @@
+"""How a sweep process stops before its trials are done: Ctrl-C, SIGTERM, or a store the engine cannot write (a
+full disk). One flag per process (`stopping`): once set, workers ask no new trial, every trial process this
+sweep process watches is ended with its group and recorded as killed with the reason, the parent run is closed
+KILLED, and the terminal gets one line that says why and how to resume. Trials that finished meanwhile are told
+as they finished; any the stores could not take are told from their own records by the next run.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+from src.redact import redact_text
+
+RESUME = "run the same command again to resume"
+_FULL = ("database or disk is full", "no space left on device", "disk quota exceeded")
+
+
+class Stop:
+    """The sweep process's stop: whether it was asked, why, and what the terminal is told."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.reason = ""  # what stopped the sweep; each trial it ended says so
+        self.advice = RESUME
+        self.exit_code = 0
+        self.signal: int | None = None  # the signal that came, if one did
+        self.stopped = 0  # trial processes ended for it
+        self.patient = False  # workers run: a signal sets the flag, a second one raises (see workers_running)
+
+    def request(self, reason: str, exit_code: int, advice: str = RESUME) -> None:
+        """Stop the sweep; the first reason stands (a full disk seen by every worker is one stop)."""
+        with self._lock:
+            if not self._event.is_set():
+                self.reason, self.exit_code, self.advice = reason, exit_code, advice
+                self._event.set()
+
+    def interrupted(self) -> None:
+        """A signal (or a KeyboardInterrupt) stopped the sweep."""
+        sig = signal.Signals(self.signal or signal.SIGINT)
+        self.request(f"the sweep was interrupted ({sig.name})", 128 + sig.value)
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep `timeout` seconds, or less if the sweep stops meanwhile."""
+        return self._event.wait(timeout)
+
+    def count_stopped(self) -> None:
+        with self._lock:
+            self.stopped += 1
+
+    @contextmanager
+    def workers_running(self) -> Iterator[None]:
+        """While the main thread waits for the workers, a signal only sets the flag: each worker ends its trial and
+        records it, and the main thread keeps waiting for them (a KeyboardInterrupt raised inside Thread.join can
+        mark a live thread as finished: CPython 3.11's _wait_for_tstate_lock). A second signal raises."""
+        self.patient = True
+        try:
+            yield
+        finally:
+            self.patient = False
+
+    def clear(self) -> None:
+        with self._lock:
+            self._event.clear()
+            self.reason, self.advice, self.exit_code, self.signal, self.stopped = "", RESUME, 0, None, 0
+
+    def message(self) -> str:
+        """The terminal's line: why, what became of the running trials, how to resume (the command, where known)."""
+        trials = ""
+        if self.stopped:
+            trials = f": {self.stopped} running trial{'s' * (self.stopped != 1)} stopped and recorded as killed"
+        command = ""
+        if sys.argv and sys.argv[0].endswith(os.path.join("src", "train.py")):
+            command = ": " + redact_text(shlex.join(["python", "-m", "src.train", *sys.argv[1:]]))
+        return f"{self.reason}{trials}; {self.advice}{command}"
+
+
+stopping = Stop()  # signals are the process's: one flag for the sweep this process runs
+
+
+@contextmanager
+def on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM stop the sweep (`stopping.interrupted`) and raise KeyboardInterrupt in the main thread,
+    unless the workers run (`Stop.workers_running`); the handlers are put back after. A signal the process ignores
+    (started with nohup, or in the background of a script) stays ignored; off the main thread nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        again = stopping.signal is not None
+        stopping.signal = stopping.signal or signum
+        stopping.interrupted()
+        if again or not stopping.patient:
+            raise KeyboardInterrupt
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, interrupt)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def store_trouble(exc: BaseException, stores: dict[str, str]) -> str | None:
+    """Why to stop for an error the engine hit in its own stores, or None for any other error: a full disk
+    (SQLite's "database or disk is full", ENOSPC), naming the store written to. `stores`: the top-level package
+    of each store's client ("optuna", "mlflow") -> how to name the store; a file is named by its path."""
+    chain = _chain(exc)
+    full = next((e for e in chain if _is_full(e)), None)
+    if full is None:
+        return None
+    detail = os.strerror(full.errno) if isinstance(full, OSError) and full.errno else _FULL[0]
+    if isinstance(full, OSError) and full.filename:
+        where = str(full.filename)
+    else:
+        where = next((stores[m] for m in _modules(chain) if m in stores), "a store of the sweep")
+    return f"sweep stopped: disk full: {where} cannot be written ({detail})"
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def _is_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(words in str(exc).lower() for words in _FULL)
+
+
+def _modules(chain: list[BaseException]) -> Iterator[str]:
+    """Top-level packages of the frames the error passed through, innermost first."""
+    for exc in chain:
+        frames = []
+        tb = exc.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame.f_globals.get("__name__", ""))
+            tb = tb.tb_next
+        for name in reversed(frames):
+            yield name.split(".")[0]

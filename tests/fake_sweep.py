@@ -1,0 +1,86 @@
+"""A sweep process whose trials are stand-ins (no model), for tests that kill, interrupt or starve the sweep process
+itself and then run it again:
+
+    python -m tests.fake_sweep [overrides...]      # QLORA_ROOT and QLORA_CACHE as for python -m src.train
+
+Each stand-in trial records itself as a real one does (src/trial/single.py: its MLflow run's metrics and tags,
+result.json, then the run ended FINISHED). QLORA_FAKE_FAULT=<fault>@<trial number> strikes once that trial has
+recorded itself, before the engine tells Optuna: `sigkill` or `sigterm` the sweep process, or `disk_full`: every
+write to the Optuna storage fails from then on, as SQLite fails on a full disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+FAULT_ENV = "QLORA_FAKE_FAULT"
+_WRITES = ("set_trial_user_attr", "set_trial_system_attr", "set_trial_state_values", "record_heartbeat")
+
+
+def trial(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbeat: Any = None) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    from src import tracking
+    from src.sweep.process import Outcome
+    from src.trial.handoff import RESULT_FILE, RUN_ENV, TRIAL_ENV
+
+    number, run_id = int(env[TRIAL_ENV]), env[RUN_ENV]
+    metrics = {"tokens_per_s": 100.0 + number, "peak_vram_reserved_gib": 8.0, "vram_budget_gib": 24.0}
+    client = MlflowClient()
+    client.update_run(run_id, status="RUNNING")
+    tracking.log_metrics(client, run_id, metrics)
+    tracking.set_tags(client, run_id, {"trial.status": "ok"})
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result = {"status": "ok", "run_id": run_id, "metrics": metrics, "failure": None, "attention_kernel": None}
+    (log_dir / RESULT_FILE).write_text(json.dumps(result))
+    client.set_terminated(run_id, "FINISHED")
+    fault, _, at = os.environ.get(FAULT_ENV, "").partition("@")
+    if at and int(at) == number:
+        if fault in ("sigkill", "sigterm"):
+            os.kill(os.getpid(), getattr(signal, fault.upper()))
+        elif fault == "disk_full":
+            _fill_the_disk()
+    return Outcome("ok", metrics=metrics)
+
+
+def _fill_the_disk() -> None:
+    import optuna
+    import sqlalchemy
+
+    def full(*_: Any, **__: Any) -> None:
+        error = sqlite3.OperationalError("database or disk is full")
+        raise sqlalchemy.exc.OperationalError("UPDATE trials SET ...", {}, error)
+
+    for name in _WRITES:
+        setattr(optuna.storages.RDBStorage, name, full)
+
+
+def main(overrides: list[str]) -> None:
+    from src.config import compose
+    from src.sweep import engine
+
+    cfg = compose(
+        [
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.cpu_slots=1",
+            "hydra.sweeper.progress=false",
+            "hydra.sweeper.skip_duplicates=false",
+            "hydra.sweeper.enqueue_trials=[]",
+            "trainer.output_dir=/tmp/unused",
+            *overrides,
+        ],
+        hydra_config=True,
+    )
+    engine.run_process = trial
+    engine.SweepEngine.prepare = lambda self, slot: None
+    engine.SweepEngine(cfg, ["lora.r=choice(4,8,16)"]).run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

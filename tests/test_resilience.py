@@ -1,0 +1,278 @@
+"""Nothing lost, clean stops (issue #17): a trial that recorded itself before its sweep process died is told what it
+measured; Ctrl-C, SIGTERM and a full disk stop the sweep with one line that says how to resume, nothing left
+RUNNING that can be closed; impossible counts are refused before anything is recorded; trial processes start in a
+session of their own without preexec_fn and die with the engine that started them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+from optuna.trial import TrialState
+
+from src.config import PROJECT_DIR
+from tests.conftest import run_cli
+from tests.fake_sweep import FAULT_ENV
+
+
+def _study(root: Path, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{root}/sweeps/{name}/optuna.db")
+
+
+def _runs(client, experiment: str) -> list:
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def _fake_sweep(root: Path, study: str, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    """tests/fake_sweep.py as its own process: trials are stand-ins, the sweep process is the real engine."""
+    env = {FAULT_ENV: fault} if fault else {}
+    args = [f"hydra.sweeper.study_name={study}", "hydra.sweeper.n_trials=3", *overrides]
+    return run_cli("tests.fake_sweep", *args, root=root, timeout=300, env=env)
+
+
+def _assert_told_what_it_measured(root: Path, study: str, client, number: int = 1) -> None:
+    trials = _study(root, study).get_trials()
+    assert len(trials) == 3 and not [t.number for t in trials if not t.state.is_finished()]
+    told = trials[number]
+    assert told.state == TrialState.COMPLETE and told.values == [100.0 + number], told.user_attrs
+    assert told.user_attrs["trial.status"] == "ok" and "failure.kind" not in told.user_attrs
+    assert told.constraints["vram_budget"] < 0, "its constraint told too: 8 GiB of 24"
+    runs = {r.data.tags.get("optuna.trial"): r for r in _runs(client, study)}
+    assert runs[str(number)].info.status == "FINISHED" and "failure.kind" not in runs[str(number)].data.tags
+    assert not [r.info.run_name for r in runs.values() if r.info.status == "RUNNING"]
+
+
+# ---- item 4: a measured trial is never turned into `killed` -------------------------------------------------
+
+
+@pytest.mark.parametrize("death", ["sigkill", "sigkill_elsewhere", "sigterm"])
+def test_a_trial_that_recorded_itself_before_its_sweeper_died_is_told_what_it_measured(
+    root: Path, mlflow_client, death: str
+) -> None:
+    """The sweep process dies between the trial's own records (result.json, its MLflow run FINISHED) and telling
+    Optuna. kill -9: the next run tells it from its folder, or from its MLflow run alone when it ran on another
+    host (only its stopped heartbeat says it died; its folder is not here). SIGTERM: it is told before the sweep
+    stops, like Ctrl-C."""
+    heartbeat = ["hydra.sweeper.heartbeat_interval_s=1", "hydra.sweeper.grace_period_s=2"]
+    signal_name = death.split("_")[0]
+    first = _fake_sweep(root, "died", *heartbeat, fault=f"{signal_name}@1")
+    if death == "sigterm":
+        assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
+        assert "Traceback" not in first.stderr and "the sweep was interrupted (SIGTERM)" in first.stderr
+        assert _study(root, "died").get_trials()[1].state == TrialState.COMPLETE, "told before it stopped"
+    else:
+        assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+        assert _study(root, "died").get_trials()[1].state == TrialState.RUNNING, "measured, never told"
+    if death == "sigkill_elsewhere":
+        storage = optuna.storages.RDBStorage(f"sqlite:///{root}/sweeps/died/optuna.db")
+        trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name("died"), 1)
+        storage.set_trial_user_attr(trial_id, "worker.host", "another-node")
+        shutil.rmtree(root / "sweeps" / "died" / "trials" / "001")
+        time.sleep(3)  # past the grace period: its heartbeat is stale
+    again = _fake_sweep(root, "died", *heartbeat)
+    assert again.returncode == 0, again.stderr[-3000:]
+    _assert_told_what_it_measured(root, "died", mlflow_client)
+    if death != "sigterm":
+        assert "trial 1 had finished (ok) when its sweep worker died: told what its records say" in again.stderr
+
+
+# ---- item 7: a full disk ------------------------------------------------------------------------------------
+
+
+def test_a_full_disk_stops_the_sweep_with_one_line_and_the_resume_keeps_what_was_measured(
+    root: Path, mlflow_client
+) -> None:
+    first = _fake_sweep(root, "full", fault="disk_full@1")
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
+    line = f"sweep stopped: disk full: the Optuna storage sqlite:///{root}/sweeps/full/optuna.db cannot be written"
+    said = [text for text in first.stderr.splitlines() if "disk" in text]
+    assert len(said) == 1 and said[0].startswith(line), first.stderr[-3000:]
+    assert said[0].endswith("free space, then run the same command again to resume")
+    runs = _runs(mlflow_client, "full")
+    parent = next(r for r in runs if r.data.tags.get("sweep.role") == "parent")
+    assert parent.info.status == "KILLED", "stopped, not finished"
+    assert len(_study(root, "full").get_trials()) == 2, "no trial asked after the disk filled"
+
+    again = _fake_sweep(root, "full")
+    assert again.returncode == 0, again.stderr[-3000:]
+    _assert_told_what_it_measured(root, "full", mlflow_client)
+
+
+# ---- item 6: Ctrl-C -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_trials_marks_them_interrupted_and_says_how_to_resume(root: Path, mlflow_client) -> None:
+    """A real trial hangs in training; Ctrl-C (SIGINT to the sweep process: its trials are in sessions of their own,
+    out of the terminal's reach) ends the trial's process group, records it as killed by the interruption, closes
+    the parent run KILLED and exits 130 with the way to resume, and no traceback."""
+    args = [
+        sys.executable,
+        "-m",
+        "src.train",
+        "-m",
+        "hydra/sweeper=optuna",
+        "sweep=demo",
+        "hydra.sweeper.study_name=ctrl-c",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.cpu_slots=1",
+        "hydra.sweeper.progress=false",
+        "hydra.sweeper.stall_timeout_s=3600",
+        "fault=hang",
+        "fault.step=1",
+    ]
+    env = {**os.environ, "QLORA_ROOT": str(root)}
+    log = root / "sweep.log"
+    with log.open("w") as out:
+        sweep = subprocess.Popen(args, cwd=PROJECT_DIR, env=env, stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        progress = root / "sweeps" / "ctrl-c" / "trials" / "000" / "progress.json"
+        deadline = time.time() + 300
+        while time.time() < deadline and '"training"' not in _read(progress):
+            assert sweep.poll() is None, _read(log)[-3000:]
+            time.sleep(0.5)
+        trials = [p for p in psutil.Process(sweep.pid).children() if "src.train" in " ".join(p.cmdline())]
+        assert len(trials) == 1, "the hanging trial"
+        assert os.getsid(trials[0].pid) == trials[0].pid != os.getsid(sweep.pid), "a session of its own"
+        sweep.send_signal(signal.SIGINT)
+        sweep.wait(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    stderr = _read(log)
+    assert sweep.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    said = stderr.strip().splitlines()[-1]
+    assert said.startswith("the sweep was interrupted (SIGINT): 1 running trial stopped and recorded as killed; ")
+    assert "run the same command again to resume: python -m src.train -m hydra/sweeper=optuna sweep=demo" in said
+    assert not psutil.pid_exists(trials[0].pid) or trials[0].status() == psutil.STATUS_ZOMBIE
+
+    trial = _study(root, "ctrl-c").get_trials()
+    assert len(trial) == 1 and trial[0].state == TrialState.FAIL
+    assert trial[0].user_attrs["failure.kind"] == "killed"
+    assert trial[0].user_attrs["failure.message"] == "the sweep was interrupted (SIGINT) while this trial ran"
+    runs = _runs(mlflow_client, "ctrl-c")
+    parent = next(r for r in runs if r.data.tags.get("sweep.role") == "parent")
+    child = next(r for r in runs if r.data.tags.get("optuna.trial") == "0")
+    assert child.info.status == "KILLED" and child.data.tags["failure.kind"] == "killed"
+    assert parent.info.status == "KILLED"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+# ---- item 8: counts that run nothing ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ("hydra.sweeper.n_jobs=-5", "hydra.sweeper.n_jobs=-5: must be at least 1 (or null: one trial per slot)"),
+        ("hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0: must be at least 1"),
+    ],
+)
+def test_a_sweep_that_would_run_nothing_is_refused_on_the_command_line(root: Path, setting: str, message: str) -> None:
+    done = run_cli("src.train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.study_name=nothing", setting, root=root)
+    assert done.returncode != 0 and f"error: {message}" in done.stderr.splitlines(), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert not (root / "sweeps" / "nothing").exists() and not (root / "mlruns" / "mlflow.db").exists()
+
+
+# ---- item 13: how a trial process starts --------------------------------------------------------------------
+
+
+def test_trials_start_in_a_session_of_their_own_without_preexec_fn(root: Path, monkeypatch) -> None:
+    """preexec_fn can deadlock a child forked from a threaded parent (the engine runs one thread per slot)."""
+    from omegaconf import OmegaConf
+
+    from src.sweep import process
+    from src.trial.handoff import PARENT_ENV
+
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd: list[str], **kwargs) -> None:
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(process.subprocess, "Popen", popen)
+    sweeper = OmegaConf.create({"trial_timeout_s": 60, "stall_timeout_s": 60, "heartbeat_interval_s": 10})
+    with pytest.raises(Stop):
+        process.run_process(["model=tiny_llama"], root / "trial", {}, sweeper)
+    assert "preexec_fn" not in seen and seen["start_new_session"] is True
+    assert seen["env"][PARENT_ENV] == str(os.getpid()), "the trial learns whose death it dies with"
+
+
+@pytest.mark.slow
+def test_a_trial_dies_with_the_engine_thread_that_started_it(root: Path) -> None:
+    """The engine's stand-in starts a real trial (it hangs in training) from a thread, as each slot does, and is
+    killed with SIGKILL: the trial, in its own session, dies too (its parent-death signal, set at its start)."""
+    code = (
+        "import sys, threading; from pathlib import Path; from omegaconf import OmegaConf;"
+        "from src.sweep.process import run_process;"
+        "sweeper = OmegaConf.create({'trial_timeout_s': 600, 'stall_timeout_s': 600, 'heartbeat_interval_s': 10});"
+        "overrides = ['model=tiny_llama', 'trainer=probe', 'fault=hang', 'fault.step=1',"
+        " 'measure.profile_attention=false'];"
+        "t = threading.Thread(target=run_process, args=(overrides, Path(sys.argv[1]), {}, sweeper)); t.start(); t.join()"
+    )
+    env = {**os.environ, "QLORA_ROOT": str(root)}
+    engine = subprocess.Popen([sys.executable, "-c", code, str(root / "trial")], cwd=PROJECT_DIR, env=env)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and '"training"' not in _read(root / "trial" / "progress.json"):
+            assert engine.poll() is None
+            time.sleep(0.5)
+        trial = psutil.Process(engine.pid).children()[0]
+        assert os.getsid(trial.pid) == trial.pid != os.getsid(engine.pid)
+        engine.kill()
+        engine.wait()
+        trial.wait(timeout=30)  # psutil.TimeoutExpired if it outlived its engine
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+
+
+@pytest.mark.parametrize("parent", ["alive", "gone"])
+def test_a_trial_whose_engine_died_before_it_started_exits_at_once(parent: str) -> None:
+    """The race a parent-death signal leaves: the engine dies before the trial asks for the signal. The trial
+    compares its parent with the one it was started by, and exits if they differ. The variable is its own only:
+    what it starts (torchrun's ranks) does not inherit it."""
+    from src.trial.handoff import PARENT_ENV
+
+    if parent == "gone":
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        pid = gone.stdout.strip()
+    else:
+        pid = str(os.getpid())
+    code = (
+        "import os; from src.trial.handoff import PARENT_ENV, die_with_parent; die_with_parent();"
+        "print('alive', os.environ.get(PARENT_ENV))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=PROJECT_DIR,
+        env={**os.environ, PARENT_ENV: pid},
+        capture_output=True,
+        text=True,
+    )
+    if parent == "alive":
+        assert done.returncode == 0 and done.stdout.strip() == "alive None", done.stderr
+    else:
+        assert done.returncode == -signal.SIGKILL and "alive" not in done.stdout
