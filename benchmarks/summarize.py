@@ -37,7 +37,8 @@ FIELDS = (
 
 
 def startup_phases(metrics: dict) -> dict[str, float]:
-    """`startup.<phase>_s` metrics (or trial attributes) as {phase: seconds from the trial's launch}."""
+    """`startup.<phase>_s` metrics (or trial attributes) as {phase: its seconds}. Each phase's own duration (they add
+    up to `startup_s`); results from before 2026-12-03 hold offsets from the trial's launch instead."""
     return {k[len("startup.") : -2]: v for k, v in metrics.items() if k.startswith("startup.")}
 
 
@@ -77,13 +78,13 @@ def counts(rows: list[dict]) -> dict[str, int]:
 
 
 def median_phases(rows: list[dict]) -> dict[str, float]:
-    """Median seconds from a trial's launch to the end of each start-up phase, over the rows that have it."""
+    """Median seconds of each start-up phase over the rows that have it, the longest first (where start-up goes)."""
     names: dict[str, list[float]] = {}
     for r in rows:
         for name, seconds in (r.get("startup_phases_s") or {}).items():
             names.setdefault(name, []).append(seconds)
     medians = {name: statistics.median(values) for name, values in names.items()}
-    return dict(sorted(medians.items(), key=lambda kv: kv[1]))
+    return dict(sorted(medians.items(), key=lambda kv: -kv[1]))
 
 
 def oom_by_half(rows: list[dict]) -> dict[str, dict[str, int]]:

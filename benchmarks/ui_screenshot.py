@@ -1,10 +1,14 @@
 """The MLflow UI over a study's store, driven in headless Chromium: a picture of the sweep's experiment page
-(each trial a child run with its knobs, metrics and report class) for the README.
+(each trial a child run with its knobs, metrics, report class and failure kind) for the README.
 
+    make demo && .venv/bin/python -m benchmarks.ui_screenshot      # the README's picture: the demo's own store
     python -m benchmarks.ui_screenshot [--root DIR] [--study NAME] [--out docs/mlflow_compare.png]
 
+By default it shows what `make demo` left in this checkout (study `demo`: `sweeps/demo/`, `mlruns/mlflow.db`), the
+map a newcomer gets, OOMs included; it refuses a study without a failure, whose picture would not show one.
+
 The UI is started the way `make ui` starts it (`mlflow ui --backend-store-uri sqlite:///<root>/mlruns/mlflow.db
---host 127.0.0.1`, on a free port). Debian's `chromium` (flags from ../shared/SERVICES.md, a fresh profile) is
+--host 127.0.0.1 --workers 1`, no job runner), on a free port. Debian's `chromium` (flags from ../shared/SERVICES.md, a fresh profile) is
 driven over the DevTools protocol: the page's own saved view state (localStorage) is set to what a person would
 click: the "Model training" workflow, the sweep's parent run expanded, the knobs / metrics / class as columns,
 the assistant panel closed. The server and the browser are stopped whatever happens; exits non-zero when the
@@ -132,7 +136,9 @@ def view_state(experiment_id: str, parent_run_id: str | None, knobs: list[str]) 
     }
 
 
-async def _capture(devtools_url: str, origin: str, url: str, state: dict[str, str], out: Path, size: tuple[int, int]):
+async def _capture(
+    devtools_url: str, origin: str, url: str, state: dict[str, str], out: Path, size: tuple[int, int], marker: str
+):
     import aiohttp
 
     targets = json.loads(urllib.request.urlopen(f"{devtools_url}/json/list", timeout=5).read())
@@ -148,9 +154,9 @@ async def _capture(devtools_url: str, origin: str, url: str, state: dict[str, st
             f"(() => {{ const s = {json.dumps(state)}; for (const k in s) localStorage.setItem(k, s[k]); }})()"
         )
         await page.call("Page.navigate", url=url)
-        for _ in range(60):  # the runs table is there once trial rows render
+        for _ in range(60):  # the runs table is there once a trial's row (its run name) renders
             await asyncio.sleep(0.5)
-            if await page.js("document.body && document.body.innerText.includes('trial-')"):
+            if await page.js(f"document.body && document.body.innerText.includes({json.dumps(marker)})"):
                 break
         await asyncio.sleep(2.0)  # let columns settle
         shot = await page.call("Page.captureScreenshot", format="png")
@@ -158,7 +164,9 @@ async def _capture(devtools_url: str, origin: str, url: str, state: dict[str, st
     out.write_bytes(base64.b64decode(shot["data"]))
 
 
-def screenshot(origin: str, url: str, state: dict[str, str], out: Path, size: tuple[int, int] = (1920, 1000)) -> None:
+def screenshot(
+    origin: str, url: str, state: dict[str, str], out: Path, marker: str, size: tuple[int, int] = (1920, 1000)
+) -> None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         raise RuntimeError("chromium is not installed (Debian: apt-get install -y chromium)")
@@ -173,7 +181,7 @@ def screenshot(origin: str, url: str, state: dict[str, str], out: Path, size: tu
         try:
             devtools = f"http://127.0.0.1:{port}"
             wait_for(f"{devtools}/json/version", browser, timeout_s=30)
-            asyncio.run(_capture(devtools, origin, url, state, out, size))
+            asyncio.run(_capture(devtools, origin, url, state, out, size, marker))
         finally:
             stop(browser)
 
@@ -183,17 +191,27 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.ui_screenshot", description=__doc__.splitlines()[0])
-    p.add_argument("--root", type=Path, default=Path(os.environ.get("QLORA_ROOT", ".")), help="holds sweeps/, mlruns/")
-    p.add_argument("--study", help="default: the latest study under <root>/sweeps")
+    root = Path(os.environ.get("QLORA_ROOT", PROJECT_DIR))
+    p.add_argument("--root", type=Path, default=root, help="holds sweeps/ and mlruns/ (default: where make demo wrote)")
+    p.add_argument("--study", default="demo", help="default: demo, the study `make demo` runs")
     p.add_argument("--out", type=Path, default=PROJECT_DIR / "docs" / "mlflow_compare.png")
     args = p.parse_args(argv)
     root = args.root.resolve()
     store = f"sqlite:///{root / 'mlruns' / 'mlflow.db'}"
     sweep = report.load(args.study, root / "sweeps", tracking_uri=store)
-    experiment = MlflowClient(store).get_experiment_by_name(sweep.name)
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name(sweep.name)
     if experiment is None:
         print(f"error: no MLflow experiment '{sweep.name}' in {store}", file=sys.stderr)
         return 1
+    if not any(r.verdict == "failed" for r in sweep.rows):
+        print(f"error: study '{sweep.name}' has no failed trial: the picture would show no failure", file=sys.stderr)
+        return 1
+    trial_runs = [r.run_id for r in sweep.rows if r.run_id]
+    if not trial_runs:
+        print(f"error: study '{sweep.name}' names no MLflow run for its trials", file=sys.stderr)
+        return 1
+    marker = client.get_run(trial_runs[0]).info.run_name  # whatever the engine names its runs
     varying = sweep.varying_knobs()  # registered knobs first, in the registry's order
     registered = set(knobs.keys())
     shown = [k for k in varying if k in registered] or varying
@@ -203,14 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     url = f"{origin}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
     server = subprocess.Popen(
         [str(Path(sys.executable).with_name("mlflow")), "ui", "--backend-store-uri", store]
-        + ["--host", "127.0.0.1", "--port", str(port)],
+        + ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     try:
-        wait_for(f"{origin}/health", server)
-        screenshot(origin, url, state, args.out)
+        wait_for(f"{origin}/health", server, timeout_s=240)  # a busy 2-core machine takes minutes to start it
+        screenshot(origin, url, state, args.out, marker)
     finally:
         stop(server)
     pixels = imread(args.out)

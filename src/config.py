@@ -118,12 +118,15 @@ class MeasureConfig:
     profile_attention: bool = MISSING
     profile_step: int | None = MISSING
     profile_startup: bool = MISSING
+    soak_minutes: float | None = MISSING
 
 
 @dataclass
 class HardwareConfig:
-    # The card being mapped. On a larger GPU the trial caps its own allocator to this.
-    vram_budget_gib: float = MISSING
+    # The memory being mapped: the card's (on a larger GPU the trial caps its own allocator to it) or, on a machine
+    # without a GPU, the trial process's own beyond its start-up (src/measure/memory.py). An int where whole, so
+    # that names built from it read `tiny_llama-24gib`, not `-24.0gib`.
+    vram_budget_gib: int | float = MISSING
     parallelism: str = MISSING
     # data_parallel: processes (ranks) per trial; null = the trial's GPUs (2 on a CPU, over gloo).
     processes: int | None = MISSING
@@ -192,7 +195,6 @@ _SFT_FIELDS = (
     "max_steps",
     "optim",
     "bf16",
-    "gradient_checkpointing",
     "padding_free",
     "packing",
     "use_liger_kernel",
@@ -206,17 +208,31 @@ _SFT_FIELDS = (
 )
 
 
+def checkpointing_name() -> str:
+    """The library's word for activation (gradient) checkpointing: transformers 5.23 renamed `gradient_checkpointing`
+    to `activation_checkpointing` in TrainingArguments and on the model (the old names warn until v6); 5.17-5.22
+    know only the old one."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 def sft_kwargs(cfg: DictConfig, use_cpu: bool) -> dict[str, Any]:
     """trl.SFTConfig keyword arguments from our config: the users' older names mapped to today's."""
     t = cfg.trainer
     kwargs: dict[str, Any] = {name: t[name] for name in _SFT_FIELDS}
     kwargs["torch_compile"] = t.torch_compile is True  # "layers" is ours (src/models.py compile_layers)
+    checkpointing = checkpointing_name()
     kwargs.update(
         # trl <0.20 `max_seq_length` -> `max_length`
         max_length=cfg.data.max_seq_length,
         # transformers <5 `group_by_length=True` -> `train_sampling_strategy="group_by_length"`
         train_sampling_strategy="group_by_length" if t.group_by_length else "random",
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        # transformers 5.23 `gradient_checkpointing` -> `activation_checkpointing` (and its _kwargs)
+        **{checkpointing: t.gradient_checkpointing, f"{checkpointing}_kwargs": {"use_reentrant": False}},
         # Non-padding tokens seen, so tokens/s does not count padding as work.
         include_num_input_tokens_seen="non_padding",
         # A NaN loss must reach the log (and our nan_loss check), not be averaged away.

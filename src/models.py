@@ -178,18 +178,28 @@ def load(cfg: Any) -> tuple[Any, Any]:
 
 def prepare_for_kbit_training(model: Any, cfg: Any) -> Any:
     """peft's k-bit preparation (freeze the base, checkpointing without re-entrant autograd); with
-    model.upcast_non_quantized=false, the same without its fp32 copy of embeddings, norms and lm_head."""
+    model.upcast_non_quantized=false, the same without its fp32 copy of embeddings, norms and lm_head.
+    Checkpointing is switched on here, by the model's own method under today's name (`enable_checkpointing`):
+    peft's would call the deprecated one."""
     from peft import prepare_model_for_kbit_training
 
-    kwargs = {"use_reentrant": False}
     if cfg.model.upcast_non_quantized:
-        return prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=cfg.trainer.gradient_checkpointing, gradient_checkpointing_kwargs=kwargs
-        )
-    model.requires_grad_(False)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    else:
+        model.requires_grad_(False)
     if cfg.trainer.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_checkpointing(model)
     return model
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Activation checkpointing without re-entrant autograd (so the frozen 4-bit inputs need no requires_grad
+    hook): `activation_checkpointing_enable` since transformers 5.23, `gradient_checkpointing_enable` before
+    (the name `src.config.checkpointing_name` gives the trainer's arguments)."""
+    from src.config import checkpointing_name
+
+    name = checkpointing_name()
+    getattr(model, f"{name}_enable")(**{f"{name}_kwargs": {"use_reentrant": False}})
 
 
 def attach_lora(model: Any, lora_config: Any) -> Any:

@@ -159,10 +159,11 @@ def classify(trial: FrozenTrial, margin: float, retried: bool = False) -> tuple[
         return "skipped", str(detail)
     if trial.state in (TrialState.RUNNING, TrialState.WAITING):
         return "running", trial.state.name.lower()
-    if status == "pruned" or trial.state == TrialState.PRUNED:
-        return "pruned", "pruned"
     if status == "ok":
         return _finished(a, margin)
+    # The engine tells a setting's own failure (an OOM, a refused setting) PRUNED: it is a failure, by its status.
+    if status == "pruned" or (trial.state == TrialState.PRUNED and status != "failed"):
+        return "pruned", "pruned"
     kind = failure_kind(trial) or "other"
     step = a.get("failure.step")
     detail = f"{kind} at step {step}" if step is not None else str(kind)
@@ -202,6 +203,8 @@ class Sweep:
     # preflight.max_truncated_answer_frac as the trials would have composed it without the sweep's relaxation:
     # a setting that cuts more answers keeps its class (about memory) but is never the best or promoted
     max_truncated_answer_frac: float | None = None
+    # The soak of the finalists (src/sweep/soak.py): trial number -> what its long run measured and its verdict
+    soaks: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def trial_dir(self, number: int) -> Path:
         return self.study_dir / "trials" / f"{number:03d}"
@@ -261,13 +264,17 @@ class Sweep:
     def best(self) -> TrialRow | None:
         """The best stable trial by the first objective (ties: the earlier trial), among those that cut no more
         answers than the truncation policy allows."""
+        ranked = self.ranked()
+        return ranked[0] if ranked else None
+
+    def ranked(self) -> list[TrialRow]:
+        """The stable trials that cut no more answers than the policy allows, best first by the first objective
+        (ties: the earlier trial): the soak's finalists are the first of them."""
         objective, maximize = self.objectives[0], self.directions[0] == "maximize"
-        ranked = [
+        stable = [
             r for r in self.rows if r.verdict == "stable" and objective in r.metrics and not self.cuts_too_much(r)
         ]
-        if not ranked:
-            return None
-        return max(ranked, key=lambda r: ((1 if maximize else -1) * r.metrics[objective], -r.number))
+        return sorted(stable, key=lambda r: ((1 if maximize else -1) * r.metrics[objective], -r.number), reverse=True)
 
 
 # ---- reading a study ---------------------------------------------------------------------------------------------
@@ -338,7 +345,12 @@ def load(
         parent_run_id=study.user_attrs.get("mlflow_parent_run_id"),
         probe_overrides=[str(o) for o in settings.get("trial_overrides") or []],
         max_truncated_answer_frac=None if settings.get(_POLICY) is None else float(settings[_POLICY]),
+        soaks={int(k.split(".", 1)[1]): v for k, v in study.user_attrs.items() if _is_soak(k, v)},
     )
+
+
+def _is_soak(key: str, value: Any) -> bool:
+    return key.startswith("soak.") and key.split(".", 1)[1].isdigit() and isinstance(value, dict)
 
 
 def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:

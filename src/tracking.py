@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import platform
+import re
+import time
+import uuid
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,14 @@ from typing import Any
 from src import gpus
 from src.config import flatten
 from src.redact import REDACTED, is_secret_key, redact_text
+
+# MLflow's description of a run or an experiment (markdown, shown on its page and editable there).
+NOTE = "mlflow.note.content"
+# A saved view of an experiment's runs table, listed in the UI's "Saved views" menu and opened by
+# `#/experiments/<id>/runs?viewStateShareKey=<key>`. Checked against MLflow 3.17.2's UI bundle (its saved views:
+# the tag holds {name, createdAt, updatedAt, state}, `state` a JSON string of the page's search facets and UI
+# state; a key the state omits takes the UI's default).
+VIEW_TAG = "mlflow.sharedViewState."
 
 
 def params(config: dict[str, Any]) -> dict[str, str]:
@@ -135,3 +146,82 @@ def close_failed(client: Any, run_id: str, failure: dict[str, Any], status: str 
         tags["failure.rank"] = failure["rank"]
     set_tags(client, run_id, tags)
     client.set_terminated(run_id, status)
+
+
+def save_view(
+    client: Any,
+    experiment_id: str,
+    name: str,
+    params: list[str],
+    metrics: list[str],
+    tags: list[str],
+    search: str = "",
+    ascending: bool = False,
+) -> str:
+    """A saved view of the experiment's runs (see VIEW_TAG): the runs matching `search`, with these params, metrics
+    and tags as the table's columns (after the run name), sorted by the first metric (`ascending` or not), every run in the charts, and
+    two charts: a parallel-coordinates chart of the params against the first two metrics, and the second metric
+    (memory) against the first (speed). Saved again under the same key when it exists (its creation time kept).
+    Returns the key."""
+    key = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    existing = client.get_experiment(experiment_id).tags.get(VIEW_TAG + key)
+    created = json.loads(existing).get("createdAt") if existing else None
+    now = int(time.time() * 1000)
+    section = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{experiment_id}/{key}/section"))
+
+    def chart(kind: str, **fields: Any) -> dict[str, Any]:
+        return {
+            "uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{experiment_id}/{key}/{kind}")),
+            "type": kind,
+            "metricSectionId": section,
+            "deleted": False,
+            "isGenerated": False,
+            **fields,
+        }
+
+    charts = []
+    if metrics:
+        charts.append(
+            chart(
+                "PARALLEL",
+                displayName="knobs → " + ", ".join(metrics[:2]),
+                selectedParams=params,
+                selectedMetrics=metrics[:2],
+                showAllRuns=True,
+                runsCountToCompare=100,
+            )
+        )
+    if len(metrics) > 1:
+        charts.append(
+            chart(
+                "SCATTER",
+                displayName=f"{metrics[0]} vs {metrics[1]}",
+                xaxis={"key": metrics[1], "type": "METRIC"},
+                yaxis={"key": metrics[0], "type": "METRIC"},
+                runsCountToCompare=100,
+            )
+        )
+    columns = [
+        f"{kind}.`{k}`" for kind, keys in (("params", params), ("metrics", metrics), ("tags", tags)) for k in keys
+    ]
+    state = {
+        "searchFilter": search,
+        **({"orderByKey": f"metrics.`{metrics[0]}`", "orderByAsc": ascending} if metrics else {}),
+        "selectedColumns": columns,
+        "columnOrder": columns,
+        "runsHiddenMode": "SHOW_ALL",
+        "compareRunCharts": charts,
+        "compareRunSections": [
+            {
+                "uuid": section,
+                "name": "Sweep",
+                "display": True,
+                "isReordered": False,
+                "deleted": False,
+                "isGenerated": False,
+            }
+        ],
+    }
+    envelope = {"name": name, "createdAt": created or now, "updatedAt": now, "state": json.dumps(state)}
+    client.set_experiment_tag(experiment_id, VIEW_TAG + key, json.dumps(envelope))
+    return key

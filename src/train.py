@@ -8,6 +8,7 @@ Returns the trial's outcome; exits non-zero when the trial failed (the failure i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -16,9 +17,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from src import quiet
 from src.config import register_configs
-from src.trial.handoff import die_with_parent
+from src.trial.handoff import RUN_ENV, die_with_parent
 
+quiet.install()  # before torch, transformers, peft, bitsandbytes, optuna load: their harmless warnings (src/quiet.py)
 register_configs()
 
 
@@ -35,15 +38,44 @@ def main(cfg: DictConfig) -> dict:
         result = trial.run(cfg, out_dir)
     m = result["metrics"]
     if result["status"] == "ok":
-        print(
-            f"trial ok: {m.get('tokens_per_s', float('nan')):.1f} tokens/s, peak reserved "
-            f"{m.get('peak_vram_reserved_gib', 0):.2f} GiB of {m['vram_budget_gib']:g}, run {result['run_id']}"
-        )
+        print(f"trial ok: {m.get('tokens_per_s', float('nan')):.1f} tokens/s, {_memory(m)}")
+        print(_where(cfg, out_dir, result["run_id"]))
         return result
     failure = result["failure"]
     print(f"trial failed ({failure['kind']} at step {failure['step']}): {failure['message']}", file=sys.stderr)
-    print(f"recorded in MLflow run {result['run_id']}", file=sys.stderr)
+    print(_where(cfg, out_dir, result["run_id"]), file=sys.stderr)
     sys.exit(1)
+
+
+def _memory(m: dict) -> str:
+    """Peak memory against the budget, in the words of the device the trial ran on."""
+    peak = f"{m.get('peak_vram_reserved_gib', 0.0):.2f} GiB of the {m['vram_budget_gib']:g} GiB budget"
+    if "host_limit_gib" in m:  # no GPU: the budget held this process (src/measure/memory.py)
+        return f"peak {peak} (no GPU: this process's memory beyond its start-up)"
+    return f"peak reserved {peak}"
+
+
+def _where(cfg: DictConfig, out_dir: Path, run_id: str) -> str:
+    """Where this trial's results went: its folder, and its MLflow experiment and run (how to open them)."""
+    from src import redact
+
+    folder = out_dir.resolve()
+    with contextlib.suppress(ValueError):
+        folder = folder.relative_to(Path.cwd())
+    experiment = cfg.tracking.experiment
+    if os.environ.get(RUN_ENV):  # launched by a sweep: the study's experiment
+        try:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(cfg.tracking.uri)
+            experiment = client.get_experiment(client.get_run(run_id).info.experiment_id).name
+        except Exception:  # noqa: BLE001 - only a message: the run id still says where it is
+            pass
+    return (
+        f"results: {folder}/ (result.json, train.log, .hydra/)\n"
+        f"MLflow:  experiment '{experiment}', run {run_id}, in {redact.redact_text(str(cfg.tracking.uri))} "
+        "(make ui: http://127.0.0.1:5000)"
+    )
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def test_an_oom_recipe_is_answered_with_its_smallest_measured_fixes(oom_sweep: r
     said = report.what_to_change(oom_sweep)
     assert said[0] == (
         "Your recipe (trial 0: max_seq_length 1024, gradient_accumulation_steps 2, r 16, group_by_length true) "
-        "fails: oom at step 1 — it needed at least 24.9 GiB of the 24 GiB budget."
+        "fails: oom at step 1 — it needed at least 24.90 GiB of the 24 GiB budget."
     )
     # one knob (the nearest length that fits, not 512), then the levers that worked, then the pair
     assert said[1].startswith("Trial 1 (max_seq_length 768 instead of 1024) makes it stable: 20.16 GiB peak reserved")
@@ -141,9 +141,11 @@ def test_an_oom_recipe_is_answered_with_its_smallest_measured_fixes(oom_sweep: r
 
 def test_a_setting_that_cuts_too_many_answers_is_shown_but_never_promoted(oom_sweep: report.Sweep) -> None:
     assert oom_sweep.cuts_too_much(oom_sweep.rows[10]) and oom_sweep.rows[10].verdict == "stable"  # class: memory's
-    assert oom_sweep.best().number == 6 == promote.choose(oom_sweep).number  # a lever trial can be promoted
+    assert (
+        oom_sweep.best().number == 6 == promote.choose(oom_sweep, allow_unsoaked=True).number
+    )  # a lever trial can be promoted
     with pytest.raises(promote.NotPromotable) as refused:
-        promote.choose(oom_sweep, trial=10)
+        promote.choose(oom_sweep, trial=10, allow_unsoaked=True)
     message = str(refused.value)
     assert "trial 10 cuts 4% of the assistant answers at data.max_seq_length=768" in message
     assert "refused above preflight.max_truncated_answer_frac=0" in message
@@ -154,7 +156,7 @@ def test_a_setting_that_cuts_too_many_answers_is_shown_but_never_promoted(oom_sw
     cutting = report.load("cutting", oom_sweep.study_dir.parent, storage=storage)
     assert cutting.best() is None
     with pytest.raises(promote.NotPromotable, match=r"each cuts more answers .* \(trial 1 4%, trial 2 12%\)"):
-        promote.choose(cutting)
+        promote.choose(cutting, allow_unsoaked=True)
 
 
 def test_lever_trials_stay_off_the_map_and_the_importances_but_show_in_the_table(oom_sweep: report.Sweep) -> None:
@@ -228,7 +230,7 @@ def test_the_policy_comes_from_the_sweep_and_the_advice_reaches_its_parent_run(
 
     sweep = report.load("recipe", root / "sweeps", storage=storage, tracking_uri=uri)
     assert sweep.max_truncated_answer_frac == 0.05
-    assert promote.choose(sweep).number == 10  # 1,600 tokens/s, 4% cut, within this sweep's policy
+    assert promote.choose(sweep, allow_unsoaked=True).number == 10  # 1,600 tokens/s, 4% cut, within this sweep's policy
     said = report.what_to_change(sweep)
     assert "; it cuts 4% of answers" in said[1] and "more than" not in said[1]
 
@@ -281,7 +283,7 @@ def test_a_recipe_that_fits_but_cuts_answers_is_fixed_only_by_settings_that_keep
         "Trial 2 (max_seq_length 1024 instead of 768) makes it stable within the truncation policy: 21.00 GiB"
     )
     assert "0.99× your recipe's speed" in said[1]
-    assert promote.choose(sweep).number == 2
+    assert promote.choose(sweep, allow_unsoaked=True).number == 2
 
 
 def test_the_advice_tag_keeps_whole_sentences_within_mlflows_limit() -> None:

@@ -53,8 +53,35 @@ def test_every_search_space_composes_and_parses(space: str, root: Path) -> None:
     sweeper = cfg.hydra.sweeper
     params = OmegaConf.to_container(sweeper.params, resolve=True)
     _, distributions = split_arguments([], params, OmegaConf.to_container(sweeper.default_params))
-    assert "data.max_seq_length" in distributions and len(distributions) >= 2
+    assert len(distributions) >= 2
     assert set(distributions) <= set(knobs.keys()), "a knob the report and the certain-OOM rule do not know"
+    for queued in OmegaConf.to_container(sweeper.enqueue_trials):  # each queued setting is a point of the space
+        assert all(queued[k] in distributions[k].choices for k in queued if k in distributions), queued
+
+
+def test_the_demo_queues_its_whole_space_recipe_first_on_a_budget_the_cpu_can_hold(root: Path) -> None:
+    import itertools
+
+    cfg = compose_cfg(["hydra/sweeper=optuna", "sweep=demo", "trainer.output_dir=/tmp/unused"])
+    sweeper = cfg.hydra.sweeper
+    _, space = split_arguments([], OmegaConf.to_container(sweeper.params), {})
+    queued = [tuple(q[k] for k in space) for q in OmegaConf.to_container(sweeper.enqueue_trials)]
+    assert sorted(queued) == sorted(itertools.product(*(space[k].choices for k in space)))
+    assert queued[0] == (1, 2), "the seed's batch 1 x accumulation 2 is the recipe"
+    assert sweeper.n_trials == len(queued) and cfg.hardware.vram_budget_gib < 1
+
+
+def test_a_study_is_named_after_the_budget_as_written(root: Path) -> None:
+    def name(*overrides: str) -> str:
+        return compose_cfg(
+            ["hydra/sweeper=optuna", "trainer.output_dir=/tmp/unused", *overrides]
+        ).hydra.sweeper.study_name
+
+    assert name() == "tiny_llama-24gib"
+    assert name("hardware.vram_budget_gib=0.75") == "tiny_llama-0.75gib"
+    with pytest.raises(ConfigCompositionException) as err:
+        name("hardware.vram_budget_gib=lots")
+    assert "vram_budget_gib" in str(err.value) + str(err.value.__cause__)
 
 
 def test_bare_optuna_sweeper_sweeps_the_seed_knobs(root: Path) -> None:
@@ -128,3 +155,24 @@ def test_each_default_has_one_home(root: Path) -> None:
     repeated = set(sweeper) & _schema_defaults(OptunaSweeperConf)
     assert not repeated, f"conf/hydra/sweeper/optuna.yaml repeats {repeated}"
     assert "memory_monotone" not in sweeper, "memory rules live in src/knobs.py"
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_checkpointing_reaches_the_library_under_todays_name_without_a_warning(checkpointing: bool, root: Path) -> None:
+    """The user's `trainer.gradient_checkpointing` is passed under the name this transformers knows (since 5.23:
+    activation_checkpointing), so building the arguments warns of nothing deprecated."""
+    import warnings
+
+    from trl import SFTConfig
+
+    from src.config import checkpointing_name
+
+    cfg = compose_cfg([f"trainer.gradient_checkpointing={checkpointing}", "trainer.output_dir=/tmp/x"])
+    kwargs = sft_kwargs(cfg, use_cpu=True)
+    name = checkpointing_name()
+    assert kwargs[name] is checkpointing and kwargs[f"{name}_kwargs"] == {"use_reentrant": False}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = SFTConfig(**kwargs)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+    assert args.gradient_checkpointing is checkpointing  # the old name still reads the same

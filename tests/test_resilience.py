@@ -20,6 +20,7 @@ import pytest
 from optuna.trial import TrialState
 
 from src.config import PROJECT_DIR
+from src.sweep.rules import named_constraints
 from tests.conftest import run_cli
 from tests.fake_sweep import FAULT_ENV
 
@@ -46,7 +47,7 @@ def _assert_told_what_it_measured(root: Path, study: str, client, number: int = 
     told = trials[number]
     assert told.state == TrialState.COMPLETE and told.values == [100.0 + number], told.user_attrs
     assert told.user_attrs["trial.status"] == "ok" and "failure.kind" not in told.user_attrs
-    assert told.constraints["vram_budget"] < 0, "its constraint told too: 8 GiB of 24"
+    assert named_constraints(told)["vram_budget"] < 0, "its constraint told too: 8 GiB of 24"
     runs = {r.data.tags.get("optuna.trial"): r for r in _runs(client, study)}
     assert runs[str(number)].info.status == "FINISHED" and "failure.kind" not in runs[str(number)].data.tags
     assert not [r.info.run_name for r in runs.values() if r.info.status == "RUNNING"]
@@ -125,6 +126,10 @@ def test_ctrl_c_stops_the_trials_marks_them_interrupted_and_says_how_to_resume(r
         "hydra/sweeper=optuna",
         "sweep=demo",
         "hydra.sweeper.study_name=ctrl-c",
+        # the demo's smallest settings, none near its memory edge: this test is about the sweep process, not memory
+        "hydra.sweeper.enqueue_trials=[]",
+        "trainer.per_device_train_batch_size=choice(1,2)",
+        "hardware.vram_budget_gib=24",
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.cpu_slots=1",
         "hydra.sweeper.progress=false",

@@ -35,7 +35,6 @@ from tests.services import CONNECTION_BUDGET
 if TYPE_CHECKING:
     from tests.services import MlflowServer, Postgres, Slurm
 
-pytest_plugins = ["tests.services"]  # the fixtures postgres, tracking_server, cluster
 pytestmark = pytest.mark.slow
 
 # How long a sweep worker may take, as a guard against a hang: on two cores shared with other work a worker took
@@ -43,6 +42,7 @@ pytestmark = pytest.mark.slow
 WORKER_S = 900
 
 PROBE = ["sweep=demo", "hydra.sweeper.progress=false", "hydra.sweeper.trial_overrides=['trainer.max_steps=4']"]
+PROBE += ["hydra.sweeper.soak_top_k=0"]  # no soak: minutes of training per setting
 
 
 def sweep_args(study: str, storage: str, n_trials: int, server: MlflowServer, *extra: str) -> list[str]:
@@ -310,6 +310,7 @@ def test_tracking_server_refuses_strangers_and_never_stores_a_password(
         "src.promote",
         shared_study.name,
         *where,
+        "--allow-unsoaked",
         "--experiment-file",
         str(production),
         root=shared_study.root,

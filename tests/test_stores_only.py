@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from src import report, tracking
 from src.config import PROJECT_DIR, compose
-from tests.conftest import run_cli
+from tests.conftest import FAST_SWEEP, run_cli
 
 STUDY = "stores_only"
 SETTINGS = [{"data.max_seq_length": 256, "lora.r": 8}, {"data.max_seq_length": 512, "lora.r": 4}]
@@ -34,7 +34,7 @@ def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(root:
         f"hydra.sweeper.study_name={STUDY}",
         f"hydra.sweeper.storage={storage}",
         f"hydra.sweeper.n_trials={len(SETTINGS)}",
-        "hydra.sweeper.progress=false",
+        *FAST_SWEEP,
         f"hydra.sweeper.enqueue_trials=[{enqueue}]",
         "data.max_seq_length=choice(256,512)",
         "lora.r=choice(4,8)",
@@ -58,7 +58,7 @@ def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(root:
     shutil.copytree(PROJECT_DIR / "conf", conf)
     target = conf / "experiment" / "production.yaml"
     target.unlink(missing_ok=True)
-    promoted = run_cli("src.promote", STUDY, *where, "--experiment-file", str(target), root=root)
+    promoted = run_cli("src.promote", STUDY, *where, "--allow-unsoaked", "--experiment-file", str(target), root=root)
     assert promoted.returncode == 0, promoted.stderr[-4000:]
     assert f"promoted trial {best.number} of study {STUDY}" in promoted.stdout
     client = MlflowClient(store)

@@ -20,6 +20,7 @@ from optuna.trial import TrialState
 from src.config import PROJECT_DIR
 from src.sweep.engine import SweepEngine
 from src.sweep.process import Outcome
+from src.sweep.rules import named_constraints
 from tests.conftest import compose_cfg, run_cli
 from tests.sweep_scenarios import SCENARIOS
 
@@ -66,10 +67,11 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(root: Path, mlflow
         expected = None if scenario == "ok" else scenario
         assert t.user_attrs.get("failure.kind") == expected, (scenario, t.user_attrs)
         assert t.user_attrs["trial.status"] == ("ok" if scenario == "ok" else "failed")
-    # What Optuna learns: setting-caused failures carry a violated constraint, the others are FAIL.
-    assert seen["oom"].state == TrialState.COMPLETE and seen["oom"].constraints["vram_budget"] > 0
-    assert seen["data_error"].state == TrialState.COMPLETE and seen["data_error"].constraints["valid_setting"] > 0
-    assert seen["segfault"].state == TrialState.FAIL and seen["ok"].constraints["vram_budget"] <= 0
+    # What Optuna learns: setting-caused failures are PRUNED (no value) with a violated constraint, the others FAIL.
+    assert seen["oom"].state == TrialState.PRUNED and named_constraints(seen["oom"])["vram_budget"] > 0
+    assert seen["data_error"].state == TrialState.PRUNED and named_constraints(seen["data_error"])["valid_setting"] > 0
+    assert seen["oom"].values is None and seen["data_error"].values is None
+    assert seen["segfault"].state == TrialState.FAIL and named_constraints(seen["ok"])["vram_budget"] <= 0
     # The step where it happened, when training had started.
     assert seen["oom"].user_attrs["failure.step"] == 2 and seen["segfault"].user_attrs["failure.step"] == 2
 
@@ -113,6 +115,10 @@ def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) 
         "hydra/sweeper=optuna",
         "sweep=demo",
         "hydra.sweeper.study_name=resume",
+        # the demo's smallest settings, none near its memory edge: this test is about the sweep process, not memory
+        "hydra.sweeper.enqueue_trials=[]",
+        "trainer.per_device_train_batch_size=choice(1,2)",
+        "hardware.vram_budget_gib=24",
         "hydra.sweeper.n_trials=6",
         "hydra.sweeper.progress=false",
         "hydra.sweeper.skip_duplicates=false",
@@ -185,6 +191,7 @@ def _fake_sweep(
             f"hydra.sweeper.n_trials={n_trials}",
             "hydra.sweeper.cpu_slots=1",
             "hydra.sweeper.progress=false",
+            "hydra.sweeper.soak_top_k=0",  # the soak runs real training for minutes: a test of it asks for it
             *([] if queue_seed else ["hydra.sweeper.enqueue_trials=[]"]),
             "trainer.output_dir=/tmp/unused",
             *overrides,
@@ -228,7 +235,7 @@ def test_sampler_learns_to_avoid_the_oom_region(root: Path, monkeypatch: pytest.
     assert second < first / 2, (first, second)
     skipped = [t for t in trials if t.user_attrs.get("skipped.reason", "").startswith("certain oom")]
     assert skipped and all(memory({k: t.params[k] for k in SPACE}) > budget for t in skipped)
-    assert all(t.constraints["vram_budget"] > 0 for t in skipped), "the sampler is told they are infeasible"
+    assert all(named_constraints(t)["vram_budget"] > 0 for t in skipped), "the sampler is told they are infeasible"
     best = _study(root, "learn").best_trial  # Optuna's best respects the constraint: never an OOM trial
     assert memory({k: best.params[k] for k in SPACE}) <= budget
 
@@ -243,7 +250,8 @@ def test_seed_settings_outside_the_users_space_are_not_queued_and_the_sweep_fini
         cfg = _fake_sweep(monkeypatch, "outside", 3, space, queue_seed=True)
     assert cfg.hydra.sweeper.enqueue_trials[0]["lora.r"] == 16, "the seed's own rank is queued by default"
     trials = _study(root, "outside").get_trials()
-    assert len(trials) == 3 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert len(trials) == 3 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)  # a repeat
+    assert all((t.state == TrialState.PRUNED) == (t.user_attrs["trial.status"] == "skipped") for t in trials)
     assert {t.params["lora.r"] for t in trials} <= {4, 8}
     assert "hydra.sweeper.enqueue_trials[0] not queued: lora.r=16" in caplog.text
 
@@ -437,7 +445,7 @@ def test_a_trial_past_its_time_limit_is_killed_as_a_timeout_even_while_it_makes_
     assert 25 <= time.time() - started < 90
 
 
-def test_a_two_objective_sweep_tells_optuna_both_and_ooms_the_worst_of_each(
+def test_a_two_objective_sweep_tells_optuna_both_and_keeps_ooms_off_the_front(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from src import report
@@ -464,13 +472,43 @@ def test_a_two_objective_sweep_tells_optuna_both_and_ooms_the_worst_of_each(
     )
     study = _study(root, "pareto")
     assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
+    assert study.metric_names == ["tokens_per_s", "peak_vram_reserved_gib"]
     trials = [t for t in study.get_trials() if t.user_attrs.get("trial.status") != "skipped"]
+    # NSGA-II breeds from COMPLETE trials only: an OOM is told COMPLETE, infeasible, so it is ranked below every
+    # feasible setting (told PRUNED, NSGA-II would never see it).
     assert trials and all(t.state == TrialState.COMPLETE and len(t.values) == 2 for t in trials)
     for t in trials:
         seq = t.params["data.max_seq_length"]
         expected = [0.0, 23.4] if seq == 4096 else [seq / 2.0, 6.0 + seq / 256]  # an OOM: no speed, its memory
         assert t.values == pytest.approx(expected), (seq, t.values)
+        assert (named_constraints(t)["vram_budget"] > 0) == (seq == 4096)
     front = {t.params["data.max_seq_length"] for t in study.best_trials}
-    assert 4096 not in front, "an OOM is infeasible: never on the Pareto front"
+    assert front and 4096 not in front, "an OOM is infeasible: never on the Pareto front"
     sweep = report.load("pareto", root / "sweeps", tracking_uri=str(cfg.tracking.uri))
     assert sweep.objectives == ["tokens_per_s", "peak_vram_reserved_gib"]
+
+
+def test_a_sweep_run_again_on_a_complete_study_says_so_in_one_line(
+    root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, mlflow_client
+) -> None:
+    """`make demo` twice: the second sweep runs nothing and says why, with the report's command and both ways to
+    sweep again (a new study name that is free, or more trials); the study and its parent run are left as they were."""
+    space = ["lora.r=choice(8,16)"]
+    _fake_sweep(monkeypatch, "again", 2, space, "hydra/sweeper/sampler=grid")
+    (root / "sweeps" / "again-2").mkdir()  # taken: the suggested name is a free one
+    parent = next(r for r in _runs(mlflow_client, "again") if r.data.tags.get("sweep.role") == "parent")
+    capsys.readouterr()
+
+    def never(*args: object, **kwargs: object) -> Outcome:
+        raise AssertionError("a complete study launched a trial")
+
+    _fake_sweep(monkeypatch, "again", 2, space, "hydra/sweeper/sampler=grid", process=never)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert lines == [
+        "study 'again' is already complete: it holds 2 finished trials (hydra.sweeper.n_trials=2), so no trial was "
+        "run. Its map: python -m src.report again  |  to sweep again, start a new study with "
+        "hydra.sweeper.study_name=again-3, or add trials to this one with hydra.sweeper.n_trials=4"
+    ]
+    assert len(_study(root, "again").get_trials()) == 2
+    again = mlflow_client.get_run(parent.info.run_id)
+    assert again.info.status == "FINISHED" and again.info.end_time == parent.info.end_time

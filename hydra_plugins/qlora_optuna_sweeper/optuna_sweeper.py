@@ -55,6 +55,9 @@ class OptunaSweeperConf:
     memory_monotone: dict[str, str] = field(default_factory=memory_directions)
     preload: Any = MISSING
     progress: bool = MISSING
+    memory_model: str = MISSING
+    soak_top_k: int = MISSING
+    soak_minutes: float = MISSING
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="optuna_schema", node=OptunaSweeperConf, provider="qlora")

@@ -1,17 +1,26 @@
 """Memory of one trial: the allocator cap that makes a large card fail where the budget's card would, and NVML's view
 of the whole process on the device (CUDA context, cuBLAS workspaces, NCCL buffers), which torch's allocator misses.
+
+Without a GPU the trial trains on the CPU, and the CPU's memory is its device memory: `HostMemory` holds the
+process to the budget for real (an allocation past it fails) and measures its peak against it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from src import gpus
 
 GIB = 1024**3
+# How often a CPU trial's memory is read: often enough to see a step's transient buffers (trl's LM-head tile lives for
+# milliseconds); one read of /proc costs ~20 us, ~1% of a core
+HOST_INTERVAL_S = 0.002
 
 
 def cap_to_budget(budget_gib: float) -> dict[str, float]:
@@ -59,3 +68,103 @@ class NvmlSampler(threading.Thread):
         self._halt.set()
         self.join(timeout=2)
         return self.peak / GIB if self.peak else None
+
+
+@contextlib.contextmanager
+def budget(budget_gib: float, meas: Any = None, interval_s: float = HOST_INTERVAL_S) -> Iterator[dict[str, float]]:
+    """The trial's memory budget while the block runs; yields the facts to record. On a GPU, the allocator cap
+    (`cap_to_budget`, for the rest of the process). Without one, `HostMemory` on the process, handed to `meas` (the
+    trial's Measurements) for its peak, and lifted when the block ends, however it ends."""
+    if torch.cuda.is_available():
+        yield cap_to_budget(budget_gib)
+        return
+    host = HostMemory.hold(budget_gib, interval_s)
+    if host is None:  # no /proc (not Linux): nothing holds the process to the budget, nothing is claimed
+        yield {}
+        return
+    if meas is not None:
+        meas.host = host
+    try:
+        yield host.facts()
+    finally:
+        host.release()
+
+
+class HostMemory(threading.Thread):
+    """The budget of a trial that trains on the CPU, on the process's own memory, enforced and measured.
+
+    What counts is what the trial maps beyond its start-up: the private writable memory the process holds (the
+    kernel's VmData: heap, anonymous mappings, thread stacks; torch's CPU tensors live there), less what the
+    interpreter and the libraries held when the budget was set. Leaving the start-up out keeps the budget about
+    the setting, not about which versions of torch or MLflow a machine imported. RLIMIT_DATA holds the process
+    to that budget: an allocation past it is refused by the kernel (torch's CPU allocator raises "can't allocate
+    memory", Python a MemoryError), as a card's allocator refuses one past the card. The peak is read from
+    /proc/self/statm every `interval_s` and at every step end (`sample`): the kernel keeps no peak of VmData.
+    """
+
+    def __init__(self, budget_gib: float, baseline: int, interval_s: float) -> None:
+        super().__init__(daemon=True, name="host-memory")
+        import resource
+
+        self.budget_gib = budget_gib
+        self.baseline = baseline
+        self.interval_s = interval_s
+        self.peak = 0
+        self._halt = threading.Event()
+        self._previous = resource.getrlimit(resource.RLIMIT_DATA)
+        limit = baseline + int(budget_gib * GIB)
+        hard = self._previous[1]
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+        self.limit = limit
+
+    @classmethod
+    def hold(cls, budget_gib: float, interval_s: float) -> HostMemory | None:
+        """Hold this process to `budget_gib` beyond what it maps now, and start sampling; None without /proc."""
+        # torch's intra-op threads start at its first parallel op, each with a stack (8 MiB of VmData): start them
+        # now, so the budget does not depend on how many cores the machine has
+        torch.ones(1 << 20).mul_(2)
+        baseline = _data_bytes()
+        if baseline is None:
+            return None
+        host = cls(budget_gib, baseline, interval_s)
+        host.start()
+        return host
+
+    def sample(self) -> float:
+        """GiB held beyond the start-up now (the peak follows)."""
+        held = (_data_bytes() or self.baseline) - self.baseline
+        self.peak = max(self.peak, held)
+        return held / GIB
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval_s):
+            self.sample()
+
+    def peak_gib(self) -> float:
+        return self.peak / GIB
+
+    def facts(self) -> dict[str, float]:
+        """What the budget rests on: the start-up's memory (not counted) and the limit set, both in GiB."""
+        return {"host_startup_gib": self.baseline / GIB, "host_limit_gib": self.limit / GIB}
+
+    def release(self) -> None:
+        """Stop sampling (the peak stays) and give the process back the limit it had."""
+        import resource
+
+        if self._halt.is_set():
+            return
+        self.sample()
+        self._halt.set()
+        self.join(timeout=2)
+        resource.setrlimit(resource.RLIMIT_DATA, self._previous)
+
+
+def _data_bytes() -> int | None:
+    """The process's private writable memory (VmData, plus its small main stack), or None without /proc."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[5]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None

@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 from src.failures import NanLossError
 from src.measure.flops import FlopCounter
-from src.measure.memory import GIB, NvmlSampler
+from src.measure.memory import GIB, HostMemory, NvmlSampler
 from src.trial.handoff import STARTED_ENV
 
 
@@ -40,6 +40,9 @@ class Measurements(TrainerCallback):
     tokens/s counts non-padding tokens (the trainer's `num_input_tokens_seen` in "non_padding" mode) over the steps
     after `measure.warmup_steps`, timed between synchronized step ends. torch's allocator peaks (allocated,
     reserved) are exact and cover every step, warm-up included: the peak is what decides OOM, whenever it happens.
+    Without a GPU the trial's device memory is the process's own, held to the budget by `host` (a HostMemory, set
+    when the budget is): `peak_vram_reserved_gib` is then its peak beyond the start-up, the figure the budget
+    refuses allocations on; torch keeps no allocated/reserved split on the CPU, so there is no allocated figure.
     """
 
     def __init__(self, cfg: Any, progress_path: Path, world_size: int = 1) -> None:
@@ -58,6 +61,7 @@ class Measurements(TrainerCallback):
         self._last_tokens = 0
         self.flops: FlopCounter | None = None
         self.nvml = NvmlSampler(cfg.measure.nvml_interval_s) if self.cuda else None
+        self.host: HostMemory | None = None  # the CPU's budget, when the trial runs under one (memory.budget)
         if self.nvml:
             self.nvml.start()
         self.write_progress("loading")
@@ -92,6 +96,8 @@ class Measurements(TrainerCallback):
         if self.cuda:
             record["vram_reserved_gib"] = torch.cuda.memory_reserved() / GIB
             record["vram_allocated_gib"] = torch.cuda.memory_allocated() / GIB
+        elif self.host is not None:
+            record["vram_reserved_gib"] = self.host.sample()
         self.steps.append(record)
         self._last_t, self._last_tokens = now, tokens
         self.write_progress("training")
@@ -128,8 +134,11 @@ class Measurements(TrainerCallback):
             device = self.nvml.stop() if self.nvml else None
             if device is not None:
                 m["peak_vram_device_gib"] = device
+        elif self.host is not None:
+            # The CPU is the device: the process's peak beyond its start-up, against the budget it was held to.
+            m["peak_vram_reserved_gib"] = self.host.peak_gib()
         else:
-            # No device: the trial held no device memory.
+            # No device and no budget on the process (no /proc to hold it to one): no device memory to speak of.
             m["peak_vram_allocated_gib"] = 0.0
             m["peak_vram_reserved_gib"] = 0.0
         measured = self.steps[self.warmup :]

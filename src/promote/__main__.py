@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from src import redact, stores, tracking
-from src.promote.choosing import NotPromotable, choose
+from src.promote.choosing import ALLOW_UNSOAKED, NotPromotable, choose
 from src.promote.experiment import DEFAULT_EXPERIMENT_FILE, header, plan, trial_config
 from src.promote.registry import ALIAS, register, registry_state
 from src.study import StudyNotFound, Sweep, TrialRow, cli_parser, load, places
@@ -21,6 +21,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print what would change; change nothing")
     p.add_argument("--trial", type=int, help="promote this (stable) trial instead of the best")
     p.add_argument("--registered-model", help="registry name (default: tracking.registered_model, llama3-qlora)")
+    p.add_argument(
+        ALLOW_UNSOAKED,
+        action="store_true",
+        help="promote a stable trial that was not soaked (or whose soak failed); the file's header says so",
+    )
     p.add_argument(
         "--experiment-file",
         type=Path,
@@ -45,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         sweep = load(args.study, where.sweeps_dir, args.storage, args.margin, where.tracking_uri)
-        row = choose(sweep, args.trial)
+        row = choose(sweep, args.trial, allow_unsoaked=args.allow_unsoaked)
         exp = plan(sweep, row, trial_config(sweep, row, where.tracking_uri))
     except (StudyNotFound, NotPromotable) as exc:
         print(f"nothing promoted: {redact.redact_text(str(exc))}", file=sys.stderr)

@@ -13,8 +13,12 @@ class NotPromotable(Exception):
     """No trial qualifies (or the one asked for does not); the message says why."""
 
 
-def choose(sweep: Sweep, trial: int | None = None) -> TrialRow:
-    """The best stable trial by the study's first objective, or the stable trial asked for."""
+ALLOW_UNSOAKED = "--allow-unsoaked"
+
+
+def choose(sweep: Sweep, trial: int | None = None, allow_unsoaked: bool = False) -> TrialRow:
+    """The best soaked stable trial by the study's first objective, or the stable trial asked for (soaked too).
+    `allow_unsoaked`: a stable trial whose only evidence is its short probe (the production file's header says so)."""
     if trial is not None:
         row = sweep.row(trial)
         if row is None:
@@ -23,10 +27,17 @@ def choose(sweep: Sweep, trial: int | None = None) -> TrialRow:
             raise NotPromotable(f"trial {trial} is {row.verdict} ({row.detail}), not stable")
         if sweep.cuts_too_much(row):
             raise NotPromotable(cuts_too_much(sweep, row))
+        if not allow_unsoaked and soak_status(sweep, row) != "passed":
+            raise NotPromotable(not_soaked(sweep, [row]))
         return row
-    best = sweep.best()
-    if best is not None:
-        return best
+    ranked = sweep.ranked()
+    soaked = [r for r in ranked if soak_status(sweep, r) == "passed"]
+    if soaked:
+        return soaked[0]
+    if ranked and allow_unsoaked:
+        return ranked[0]
+    if ranked:
+        raise NotPromotable(not_soaked(sweep, ranked))
     stable = [r for r in sweep.rows if r.verdict == "stable"]
     cutting = [r for r in stable if sweep.cuts_too_much(r)]
     if stable and len(cutting) == len(stable):
@@ -40,6 +51,27 @@ def choose(sweep: Sweep, trial: int | None = None) -> TrialRow:
     if stable:
         raise NotPromotable(f"{len(stable)} stable trial(s), but none recorded the objective {sweep.objectives[0]}")
     raise NotPromotable(why_none(sweep))
+
+
+def soak_status(sweep: Sweep, row: TrialRow) -> str | None:
+    """passed | failed | running for a finalist the sweep soaked (src/sweep/soak.py); None if never soaked."""
+    return sweep.soaks.get(row.number, {}).get("status")
+
+
+def not_soaked(sweep: Sweep, rows: list[TrialRow]) -> str:
+    """Why stable trials are not promoted: their soaks failed, or they were never soaked."""
+    parts = []
+    for r in rows[:3]:
+        soak = sweep.soaks.get(r.number)
+        if soak is None:
+            parts.append(f"trial {r.number} was not soaked")
+        else:
+            parts.append(f"trial {r.number}'s soak {soak.get('status')}: {soak.get('detail', '')}".rstrip(": "))
+    return (
+        f"no stable trial passed a soak ({'; '.join(parts)}{'; ...' if len(rows) > 3 else ''}). A probe of a few "
+        "steps is not a long run: run the sweep again (it soaks its finalists: hydra.sweeper.soak_top_k, "
+        f"soak_minutes), or promote without one with {ALLOW_UNSOAKED}"
+    )
 
 
 def cuts_too_much(sweep: Sweep, row: TrialRow) -> str:

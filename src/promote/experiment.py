@@ -226,10 +226,23 @@ def header(
         f"figures:    tokens_per_s {m.get('tokens_per_s', float('nan')):.1f}, step_time_s "
         f"{m.get('step_time_s', float('nan')):.3f}, peak_vram_reserved_gib {m.get('peak_vram_reserved_gib', float('nan')):.2f} "
         f"of {budget:g} (headroom {m.get('vram_headroom_frac', float('nan')):.0%})",
+        _soak_line(sweep, row),
         *_notes(sweep, row, exp),
     ]
     # The file is meant to be committed: a storage URL or an argument may carry a password.
     return [redact.redact_text(line) for line in lines]
+
+
+def _soak_line(sweep: Sweep, row: TrialRow) -> str:
+    """The long run behind "stable", or that there was none (promoted with --allow-unsoaked)."""
+    soak = sweep.soaks.get(row.number)
+    if soak is None:
+        return "soak:       NOT SOAKED - promoted with --allow-unsoaked; stable only over its short probe"
+    if soak.get("status") != "passed":
+        return f"soak:       FAILED ({soak.get('detail')}) - promoted with --allow-unsoaked"
+    return f"soak:       passed: {soak.get('detail')}" + (
+        f"; MLflow run {soak['run_id']}" if soak.get("run_id") else ""
+    )
 
 
 def _notes(sweep: Sweep, row: TrialRow, exp: Experiment) -> list[str]:

@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from src.knobs import label
+from src.redact import redact_text
 from src.report.advice import what_to_change
 from src.report.importance import Importance, importance
+from src.report.memory import plot_predicted, plot_soak, section
+from src.report.page import html_page
 from src.report.plots import COLOURS, map_axes, plot_map, plot_memory, plot_throughput
 from src.report.publish import log_to_mlflow
 from src.report.text import fmt, markdown, summary, table
@@ -56,6 +59,7 @@ class Report:
     importances: list[Importance]
     logged_to: str | None
     advice: list[str]  # the "What to change" sentences
+    mlflow_view: str | None = None  # where MLflow's UI shows the trials by knobs and metrics (set when logged)
 
 
 def write(sweep: Sweep) -> Report:
@@ -66,12 +70,21 @@ def write(sweep: Sweep) -> Report:
     sweep.study_dir.mkdir(parents=True, exist_ok=True)
     imps = [importance(sweep, "peak_vram_reserved_gib", "minimize"), importance(sweep, "tokens_per_s", "maximize")]
     axes = map_axes(sweep, imps[0].values or imps[1].values)
-    files = [sweep.study_dir / n for n in ("report.md", "stability_map.png", "peak_vram.png", "tokens_per_s.png")]
+    names = ("report.md", "stability_map.png", "peak_vram.png", "tokens_per_s.png", "report.html")
+    files = [sweep.study_dir / n for n in names]
     plot_map(sweep, *axes, files[1])
     metric = plot_memory(sweep, *axes, files[2])
     plot_throughput(sweep, files[3])
     advice = what_to_change(sweep)
     files[0].write_text(markdown(sweep, imps, axes, metric, advice))
+    files[4].write_text(html_page(sweep, imps, axes, metric, advice))  # the same, to explore (src.report.page)
+    # the memory model's predictions against what was measured, and the soak (src.report.memory)
+    extra = {"predicted_vs_measured.png": plot_predicted, "soak_memory.png": plot_soak}
+    drawn = {name: draw(sweep, sweep.study_dir / name) for name, draw in extra.items()}
+    files += [sweep.study_dir / name for name, done in drawn.items() if done]
+    lines = section(sweep, drawn["predicted_vs_measured.png"], drawn["soak_memory.png"])
+    if lines:
+        files[0].write_text(files[0].read_text() + "\n" + redact_text("\n".join(lines)))
     return Report(sweep, files, imps, None, advice)
 
 

@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"what moves {imp.target}: {top or imp.note}")
     best = sweep.best()
     print(f"report: {report.files[0]}" + (f" (also on MLflow run {report.logged_to})" if report.logged_to else ""))
+    on_run = " (and in that run's Artifacts: report/report.html)" if report.logged_to else ""
+    print(f"page:   {next(p for p in report.files if p.name == 'report.html')}{on_run}")
+    if report.mlflow_view:
+        print(f"trials by knobs and metrics in MLflow (a local store: make ui first): {report.mlflow_view}")
     if best:
         print(f"best stable: trial {best.number}; promote it: python -m src.promote {sweep.name}")
     return 0

@@ -108,7 +108,7 @@ def _why_failed(sweep: Sweep, row: TrialRow) -> str:
         if asked is None:
             return f" with {held:.2f} GiB reserved of the {budget:g} GiB budget"
         if held + asked > budget:
-            return f" — it needed at least {held + asked:.1f} GiB of the {budget:g} GiB budget"
+            return f" — it needed at least {held + asked:.2f} GiB of the {budget:g} GiB budget"
         return f" — it held {held:.2f} GiB and asked for {asked:.2f} GiB more of the {budget:g} GiB budget"
     return f" ({row.failure_message.splitlines()[0][:160]})" if row.failure_message else ""
 

@@ -1,12 +1,24 @@
-"""The report on MLflow: its files and counts on the sweep's parent run, each trial's class on the trial's run."""
+"""The report on MLflow: its files and counts on the sweep's parent run, each trial's class on the trial's run.
+
+The parent run gets the report's files (artifacts `report/`, report.html among them: MLflow's artifact view shows
+it), its counts as `report.*` tags and a description that says where they are; it never gets `report.class`, so a
+filter on the class finds trials only. Each trial's run gets its class, is named by its knobs and outcome
+(`trial 3 oom: seq=2048 r=16`, `skipped (repeat of 3): ...`, src.sweep.runs) and says what it is (`run.kind`); a
+skipped run, which launched nothing, gets the params it would have run with, so it compares like the others. The
+experiment gets its saved view and description again (an older sweep's too).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 from src import redact, tracking
+from src.report.text import summary
+from src.study import Sweep, TrialRow
+from src.sweep import runs
 
 if TYPE_CHECKING:
     from src.report import Report
@@ -43,11 +55,75 @@ def log_to_mlflow(report: Report, tracking_uri: str) -> str | None:
     for imp in report.importances:
         if imp.values:
             tags[f"report.importance.{imp.target}"] = json.dumps({k: round(v, 3) for k, v in imp.values.items()})
+    tags[runs.KIND] = "sweep"
+    tags["mlflow.runName"] = runs.sweep_name(sweep.name, summary(sweep))  # the row MLflow shows first, folded
+    tags[tracking.NOTE] = runs.parent_note(sweep.name) + "\n\n" + _parent_summary(report)
     tracking.set_tags(client, sweep.parent_run_id, tags)
+    base = _base_params(client, sweep)  # for the skipped runs, which launched nothing
     for row in sweep.rows:
-        if row.run_id:
-            tracking.set_tags(client, row.run_id, {"report.class": row.verdict, "report.detail": row.detail})
+        if row.run_id and row.run_id != sweep.parent_run_id:
+            tracking.set_tags(client, row.run_id, _trial_tags(row))
+            if row.verdict == "skipped" and base and not client.get_run(row.run_id).data.params:
+                tracking.log_params(client, row.run_id, _would_have_run(sweep, base, row))
+    experiment = client.get_run(sweep.parent_run_id).info.experiment_id
+    objectives = dict(zip(sweep.objectives, sweep.directions, strict=False))
+    key = runs.describe_experiment(client, experiment, sweep.name, sweep.knobs, objectives)
+    if key:
+        report.mlflow_view = runs.view_address(tracking_uri, experiment, key)
     return sweep.parent_run_id
+
+
+def _trial_tags(row: TrialRow) -> dict[str, Any]:
+    """A trial's class, and its name and kind as the report knows them (outcome: the class, or a failure's kind)."""
+    tags: dict[str, Any] = {"report.class": row.verdict, "report.detail": row.detail}
+    if row.verdict == "skipped":
+        return {**tags, **runs.skipped_tags(row.number, row.params, _skip_reason(row.detail), row.because_of)}
+    outcome = (row.failure_kind or "failed") if row.verdict == "failed" else row.verdict
+    name = runs.trial_name(row.number, row.params, row.lever, outcome)
+    return {**tags, "mlflow.runName": name, runs.KIND: "trial"}
+
+
+def _skip_reason(detail: str) -> str | None:
+    """The contract's `skip.reason` from the engine's words ("same setting as trial 2", "certain oom: ...")."""
+    for why in ("certain_oom", "predicted_oom"):
+        if detail.startswith(why.replace("_", " ")):
+            return why
+    return "repeat" if "same setting" in detail or "repeat" in detail else None
+
+
+def _base_params(client: Any, sweep: Sweep) -> tuple[int, dict[str, str]] | None:
+    """A launched trial of this sweep (not a lever's: its overrides are not the sweep's) and the params it logged
+    (its composed config)."""
+    for row in sweep.rows:
+        if row.run_id and row.verdict != "skipped" and not row.lever:
+            params = client.get_run(row.run_id).data.params
+            if params:
+                return row.number, dict(params)
+    return None
+
+
+def _would_have_run(sweep: Sweep, base: tuple[int, dict[str, str]], row: TrialRow) -> dict[str, str]:
+    """The config a skipped trial would have run with, as params: a launched trial's, with the skipped trial's own
+    knobs (and a lever's overrides) and its own folder. Values written as tracking.params writes them."""
+    import yaml
+
+    number, params = base
+    values: dict[str, Any] = dict(row.params)
+    for override in row.lever:
+        key, _, value = override.partition("=")
+        values[key.lstrip("+~")] = yaml.safe_load(value)
+    theirs, mine = f"{sweep.trial_dir(number)}{os.sep}", f"{sweep.trial_dir(row.number)}{os.sep}"
+    out = {k: v.replace(theirs, mine) for k, v in params.items()}
+    return {**out, **{k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in values.items()}}
+
+
+def _parent_summary(report: Report) -> str:
+    sweep = report.sweep
+    best = sweep.best()
+    lines = [f"**Report**: {summary(sweep)}."]
+    lines.append(f"Best stable: trial {best.number}." if best else "No stable setting.")
+    lines += [f"- {redact.redact_text(s)}" for s in report.advice[:3]]
+    return "\n".join(lines)
 
 
 def _whole_sentences(sentences: list[str]) -> str:

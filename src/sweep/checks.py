@@ -30,6 +30,7 @@ class SpaceRefused(SpaceError):
 class SpaceFacts:
     truncation: dict[int, dict[str, float]] = field(default_factory=dict)  # max_seq_length -> shares cut
     refused: dict[str, list[str]] = field(default_factory=dict)  # key -> "value: why" the guards refuse
+    lengths: Any = None  # each row's token length (numpy), for the memory model's peak micro-batch
 
 
 def check_space(config: DictConfig, distributions: dict[str, BaseDistribution]) -> SpaceFacts:
@@ -50,6 +51,7 @@ def check_space(config: DictConfig, distributions: dict[str, BaseDistribution]) 
         raise SpaceRefused(f"no trial of this sweep could run: {exc}") from None
     lengths = _values(distributions[SEQ]) if SEQ in distributions else [task.data.max_seq_length]
     facts.truncation = {int(n): truncation(full, prompt, int(n)) for n in lengths if int(n) > 0}
+    facts.lengths = full
     return facts
 
 

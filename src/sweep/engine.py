@@ -1,9 +1,14 @@
 """The sweep's loop: one worker thread per slot asks Optuna for the next trial as soon as its slot is free (no batch
 barrier), applies the launch rules, runs the trial's process and tells Optuna how it went.
 
-- Learning: failures caused by the setting itself (OOM, refused data or config) are told as COMPLETE with a
-  violated constraint (measured: what the trial needed over the budget), so TPE and NSGA-II rank that region
-  below every feasible one; other failures are FAIL. Nothing a trial does stops the sweep.
+- Learning (src/sweep/rules.py): a measured trial is COMPLETE; a failure caused by the setting itself (OOM,
+  refused data or config) carries a violated constraint in Optuna's constraint record (what the trial needed over
+  the budget), PRUNED without a value where the sampler learns from that (TPE), so the sampler ranks that region
+  below every feasible one and no tool reads a value that was never measured; a skip (`skip`) is told as its
+  origin; a skipped repeat of a measured setting is PRUNED; other failures are FAIL. Nothing a trial does stops
+  the sweep.
+- A study that already holds `n_trials` finished trials (and no finalist left to soak) is not swept again: one
+  line says so, with the report's command and how to sweep again (a new study name, or more trials).
 - Resume and many workers: a new trial is asked only while the study holds fewer than `n_trials` finished +
   running trials (under the study's lock), heartbeats mark live trials, and trials of dead workers are failed
   with their MLflow runs closed, at start-up and each time a worker asks. Any number of sweep processes with the
@@ -18,6 +23,7 @@ barrier), applies the launch rules, runs the trial's process and tells Optuna ho
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -35,15 +41,25 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from src import stores, tracking
+from src import quiet, stores, tracking
 from src.config import override_value
-from src.failures import MEMORY, STICKY_CUDA, first_line
+from src.failures import STICKY_CUDA, first_line
 from src.redact import redact_text
 from src.study import classify
-from src.sweep import recipe
+from src.study import load as load_sweep
+from src.sweep import recipe, soak
 from src.sweep.checks import SpaceFacts, check_space
+from src.sweep.memory import MemoryGate, predicted_attrs
 from src.sweep.process import Outcome, recorded_outcome, run_process, tail
-from src.sweep.rules import SETTING_FAILURES, LaunchRules
+from src.sweep.rules import (
+    SETTING_FAILURES,
+    TOLD,
+    LaunchRules,
+    constraint_record,
+    infeasible,
+    infeasible_state,
+    recorded_constraints,
+)
 from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
 from src.sweep.space import outside_space, refuse_credentials, split_arguments
@@ -53,6 +69,7 @@ from src.sweep.tally import Tally
 from src.trial.handoff import RUN_ENV, TRIAL_ENV
 
 log = logging.getLogger(__name__)
+quiet.install()  # sweeps started without src.train (src.cluster's workers, tests): the same quiet (src/quiet.py)
 
 
 def _as_list(value: Any) -> list[str]:
@@ -90,6 +107,7 @@ class SweepEngine:
         )
         self.tally = Tally(self.study_name, self.objectives[0], self.directions[0] == "maximize")
         self.runs: SweepRuns | None = None
+        self.memory: MemoryGate | None = None  # src/sweep/memory.py: predictions, predicted-OOM skips
         self.facts = SpaceFacts()
         # What the trials would refuse for truncation; the sweep measures such settings and records what they cut.
         self.truncation_policy = float(config.preflight.max_truncated_answer_frac)
@@ -100,7 +118,7 @@ class SweepEngine:
     # -- the study and its runs --
 
     def open_study(self) -> optuna.Study:
-        return self.store.open(self.directions, self.distributions)
+        return self.store.open(self.directions, self.distributions, self.objectives)
 
     def open_parent(self, study: optuna.Study) -> None:
         self.runs = SweepRuns(
@@ -128,8 +146,17 @@ class SweepEngine:
         # calling directly is the one that takes an existing trial).
         live = optuna.Trial(study, self.store.trial_id(trial.number))
         because = trial.user_attrs.get("skipped.because_of")
-        if because is not None:  # a skip, decided and written on the trial before its worker died
-            self.skip(study, live, self.store.get(int(because)), run_id, trial.user_attrs.get("skipped.reason", ""))
+        if because is not None or "skip.reason" in trial.user_attrs:  # a skip, decided before its worker died
+            self.skip(
+                study,
+                live,
+                run_id,
+                trial.user_attrs.get("skip.reason", "repeat"),
+                trial.user_attrs.get("skipped.reason", ""),
+                original=self.store.get(int(because)) if because is not None else None,
+                record=recorded_constraints(trial),
+                failure_kind=trial.user_attrs.get("failure.kind"),
+            )
             return True
         log_dir = self.study_dir / "trials" / f"{trial.number:03d}"
         outcome = recorded_outcome(log_dir, run_id) or self.runs.recorded(run_id)
@@ -166,8 +193,13 @@ class SweepEngine:
         stores.check(stores.of_sweep(self.config, self.study_dir))  # before any store is contacted or written
         slots = discover_slots(self.sweeper)  # refuses impossible slot settings before anything is recorded
         self.facts = check_space(self.config, self.distributions)  # the data and each value, once: before anything
+        self.memory = MemoryGate(self.config, self.sweeper.memory_model, self.facts.lengths, self.budget)
         study = self.open_study()
         with self.store.lock():  # workers starting at once: one parent run, one copy of each enqueued trial
+            if self.store.complete(study, self.sweeper.n_trials) and not self.soak_left(study):
+                self.tally.refresh(study)
+                print(self.tally.complete(self.sweeper.n_trials, self.report_command(), self.store.fresh_name()))
+                return  # its parent run and its settings stay as the sweep that ran it left them
             self.open_parent(study)
             self.store.recover(study)
             self.enqueue(study)
@@ -188,11 +220,20 @@ class SweepEngine:
                 for w in workers:
                     w.start()
                 _join(workers)
+            if not stopping.is_set():
+                self.soak(study, slots[:n_workers])
         finally:
             self.tally.close_bar()
             self.close_parent(study)
         trials_dir = self.study_dir / "trials"
-        print(self.tally.summary(self.store.url, self.config.tracking.uri, trials_dir, bool(self.sweeper.storage)))
+        print(self.tally.summary(self.store.url, self.config.tracking.uri, trials_dir, self.report_command()))
+
+    def report_command(self) -> str:
+        """The command that prints this study's map (with where the stores are, when not where it looks)."""
+        report = f"python -m src.report {self.study_name}"
+        if self.sweeper.storage:
+            report += f" --storage {self.store.url} --tracking-uri {self.config.tracking.uri}"
+        return report
 
     def close_parent(self, study: optuna.Study) -> None:
         """The sweep's parent run is every worker's: the last one out closes it, KILLED if this sweep stopped."""
@@ -245,6 +286,23 @@ class SweepEngine:
                 continue
             # The first queued setting is the user's recipe: the report answers what to change in it.
             study.enqueue_trial(params, skip_if_exists=True, user_attrs={recipe.RECIPE: True} if i == 0 else None)
+        self.enqueue_edge_first(study)
+
+    def enqueue_edge_first(self, study: optuna.Study) -> None:
+        """On a grid, the settings the memory model puts nearest the budget's edge run first: they are the ones
+        the map is for (and each measured one refines the model before the rest are decided)."""
+        if not (self.memory and self.memory.active and isinstance(study.sampler, optuna.samplers.GridSampler)):
+            return
+        if any(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False)):
+            return  # a resumed grid: its queue was set when it started
+        if not all(isinstance(d, optuna.distributions.CategoricalDistribution) for d in self.distributions.values()):
+            return
+        self.memory.refresh(0)
+        names = list(self.distributions)
+        choices = [self.distributions[k].choices for k in names]  # a grid's space is categorical
+        grid = [dict(zip(names, values, strict=True)) for values in itertools.product(*choices)]
+        for params in self.memory.edge_order(grid, self.fixed):
+            study.enqueue_trial(params, skip_if_exists=True)
 
     def worker(self, study: optuna.Study, slot: Slot) -> None:
         """One slot's loop; an error of the engine's own (a store it cannot write) stops the whole sweep cleanly."""
@@ -312,18 +370,18 @@ class SweepEngine:
         if extra is None:
             extra = {k: v for k, v in trial.params.items() if k not in self.distributions}
         params = {**{k: v for k, v in trial.params.items() if k in self.distributions}, **extra}
-        run_id = self.runs.child(trial.number, slot.name)
+        run_id = self.runs.child(trial.number, slot.name, params)
         trial.set_user_attr("mlflow_run_id", run_id)
         trial.set_user_attr("sweep.slot", slot.name)
         self.record_truncation(trial, params, run_id)
         original = self.rules.finished_twin(study, trial) if self.sweeper.skip_duplicates else None
         if original is not None:
-            self.skip(study, trial, original, run_id, f"same setting as trial {original.number}")
+            self.skip(study, trial, run_id, "repeat", f"same setting as trial {original.number}", original=original)
             return
         dominating = self.rules.certain_oom(study, trial)
         if dominating is not None:
             reason = f"certain oom: needs at least trial {dominating.number}'s memory"
-            self.skip(study, trial, dominating, run_id, reason)
+            self.skip(study, trial, run_id, "certain_oom", reason, original=dominating)
             return
         overrides = [
             *self.trial_overrides,
@@ -331,6 +389,10 @@ class SweepEngine:
             *(f"{k}={override_value(v)}" for k, v in params.items()),
             *recipe.lever_overrides(trial),
         ]
+        prediction = self.predict(study, trial, overrides, run_id)
+        if prediction is not None and self.memory.skips(prediction):
+            self.skip_predicted(study, trial, prediction, run_id)
+            return
         log_dir = self.study_dir / "trials" / f"{trial.number:03d}"
         env = {**slot.env, RUN_ENV: run_id, TRIAL_ENV: str(trial.number)}
         with self.lock:
@@ -358,20 +420,118 @@ class SweepEngine:
             tracking.close_failed(self.runs.client, run_id, outcome.failure, status=status)
         return outcome
 
-    def skip(self, study: optuna.Study, trial: optuna.Trial, original: FrozenTrial, run_id: str, reason: str) -> None:
-        """Not launched: trial `original` already tells what this setting does; its outcome is told again."""
-        trial.set_user_attr("trial.status", "skipped")
-        trial.set_user_attr("skipped.because_of", original.number)
-        trial.set_user_attr("skipped.reason", reason)
-        if "failure.kind" in original.user_attrs:
-            trial.set_user_attr("failure.kind", original.user_attrs["failure.kind"])
-        for key, value in original.constraints.items():
-            trial.set_constraint(key, value)
-        tags = {"trial.status": "skipped", "skipped.because_of": original.number, "skipped.reason": reason}
+    def skip(
+        self,
+        study: optuna.Study,
+        trial: optuna.Trial,
+        run_id: str,
+        why: str,
+        reason: str,
+        original: FrozenTrial | None = None,
+        record: list[float] | None = None,
+        failure_kind: str | None = None,
+    ) -> None:
+        """Not launched; every skip goes through here. `why` is the contract's `skip.reason` (repeat, certain_oom,
+        predicted_oom), `reason` says it in words. `original`: the trial that already tells what this setting does
+        (its failure kind and constraint record become this one's); else `record` and `failure_kind` say it.
+        Nothing was measured: a violated record is told as an infeasible setting is (`tell_infeasible`), anything
+        else PRUNED without a value. Written on the trial first, so a worker that dies midway is redone alike."""
+        attrs: dict[str, Any] = {"trial.status": "skipped", "skip.reason": why, "skipped.reason": reason}
+        metrics: dict[str, Any] = {}
+        if original is not None:
+            attrs["skipped.because_of"] = original.number
+            failure_kind = original.user_attrs.get("failure.kind", failure_kind)
+            record, metrics = recorded_constraints(original), dict(original.user_attrs)
+        if failure_kind is not None:
+            attrs["failure.kind"] = failure_kind
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        if record is not None:
+            self.store.set_constraints(trial.number, record)
+        tags = {k: v for k, v in attrs.items() if k != "failure.kind"}
         tracking.set_tags(self.runs.client, run_id, tags)
+        self.runs.mark_skipped(run_id, trial.number, trial.params, why, original.number if original else None)
         self.runs.client.set_terminated(run_id, "FINISHED")
-        _tell(study, trial, original.values)
+        if infeasible(record):
+            self.tell_infeasible(study, trial, record, metrics)
+        else:
+            _tell(study, trial, state=TrialState.PRUNED)
         self.finished(study)
+
+    def tell_infeasible(
+        self, study: optuna.Study, trial: optuna.Trial, record: list[float], metrics: dict[str, Any]
+    ) -> None:
+        """A setting that cannot run: its violated constraint record, in the state its sampler learns from
+        (src/sweep/rules.py: PRUNED without a value for TPE, COMPLETE with the worst values for NSGA-II or GP)."""
+        self.store.set_constraints(trial.number, record)
+        if infeasible_state(study.sampler) == TrialState.PRUNED:
+            _tell(study, trial, state=TrialState.PRUNED)
+        else:
+            _tell(study, trial, self.rules.worst(metrics, self.objectives, self.directions))
+
+    def predict(self, study: optuna.Study, trial: optuna.Trial, overrides: list[str], run_id: str) -> Any:
+        """The memory model's prediction for the trial, recorded on it and its run before it is launched."""
+        if self.memory is None or not self.memory.active:
+            return None
+        self.memory.refresh(len(study.get_trials(deepcopy=False, states=TOLD)))
+        prediction = self.memory.predict(overrides)
+        if prediction is not None:
+            values = predicted_attrs(prediction)
+            for key, value in values.items():
+                trial.set_user_attr(key, value)
+            tracking.log_metrics(self.runs.client, run_id, values)
+        return prediction
+
+    def skip_predicted(self, study: optuna.Study, trial: optuna.Trial, prediction: Any, run_id: str) -> None:
+        """Not launched: the memory model puts it beyond the budget by more than its own error. Told with the
+        predicted violation as its constraint record, so the sampler learns the region as it would from an OOM."""
+        reason = (
+            f"predicted oom: {prediction.device_gib:.1f} GiB on the card (model error ±{prediction.error:.0%}) "
+            f"for a {self.budget:g} GiB budget"
+        )
+        record = constraint_record(vram_budget=prediction.device_gib / self.budget - 1)
+        self.skip(study, trial, run_id, "predicted_oom", reason, record=record, failure_kind="oom")
+
+    def soak_left(self, study: optuna.Study) -> bool:
+        """Whether a complete study still has finalists to soak (a re-run soaks them)."""
+        if int(self.sweeper.soak_top_k) <= 0:
+            return False
+        return bool(soak.pending(study, self.classified(), int(self.sweeper.soak_top_k)))
+
+    def classified(self) -> Any:
+        """The study as the report reads it (src/study.py): every trial classified, the stable ones ranked."""
+        return load_sweep(
+            self.study_name,
+            Path(self.config.paths.sweeps_dir),
+            self.store.url,
+            float(self.sweeper.headroom_margin),
+            self.config.tracking.uri,
+        )
+
+    def soak(self, study: optuna.Study, slots: list[Slot]) -> None:
+        """After the map: the best stable settings train much longer (src/sweep/soak.py). The last worker out soaks
+        the finalists not soaked yet; a re-run of a complete study soaks what was left."""
+        top_k = int(self.sweeper.soak_top_k)
+        if top_k <= 0:
+            return
+        with self.store.lock():
+            if self.store.others_running(study):
+                return
+            sweep = self.classified()
+            rows = soak.pending(study, sweep, top_k)
+            if not sweep.ranked():
+                print("soak: no setting to soak (none is stable within the truncation policy)", flush=True)
+            for row in rows:  # claimed: another worker finishing now does not soak them too
+                study.set_user_attr(soak.KEY.format(row.number), {"status": "running"})
+        if not rows:
+            return
+        print(
+            f"soak: trial(s) {', '.join(str(r.number) for r in rows)} train at least one epoch and "
+            f"{float(self.sweeper.soak_minutes):g} min each (logs: {self.study_dir / 'soak'})",
+            flush=True,
+        )
+        for record in soak.run(study, sweep, rows, slots, self.fixed, self.runs, self.sweeper, self.budget):
+            print(f"soak: trial {record['trial']} {record['status']}: {record['detail']}", flush=True)
 
     def rerun_launch_blocking(
         self, overrides: list[str], log_dir: Path, env: dict[str, str], run_id: str, first: Outcome, heartbeat: Any
@@ -406,15 +566,10 @@ class SweepEngine:
             trial.set_user_attr("attention.kernel", outcome.attention_kernel)
         kind = outcome.failure["kind"] if outcome.failure else None
         if outcome.status == "ok" and all(o in m for o in self.objectives):
-            trial.set_constraint("vram_budget", m.get("peak_vram_reserved_gib", 0.0) / self.budget - 1.0)
+            self.store.set_constraints(trial.number, self.rules.measured(m))
             _tell(study, trial, [m[o] for o in self.objectives])
         elif kind in SETTING_FAILURES:
-            trial.set_constraint("vram_budget" if kind in MEMORY else "valid_setting", self.rules.violation(kind, m))
-            worst = [0.0 if d == "maximize" else float("inf") for d in self.directions]
-            values = [
-                m.get(o, w) if o.startswith("peak_vram") else w for o, w in zip(self.objectives, worst, strict=True)
-            ]
-            _tell(study, trial, values)
+            self.tell_infeasible(study, trial, self.rules.violation(kind, m), m)
         else:
             _tell(study, trial, state=TrialState.FAIL)
         if not (kind == "killed" and stopping.is_set()):  # ended by the sweep's stop: it says nothing of its setting

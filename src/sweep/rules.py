@@ -1,5 +1,20 @@
 """The launch rules: which proposals are not launched (a repeat of a measured setting, a certain OOM) and how a
 failure is told to Optuna so that the sampler steers away from the settings that cause it.
+
+How each trial is told, so that Optuna's own tools (`Study.best_trials`, `optuna best-trials`, optuna-dashboard)
+read it as the sweep does and the sampler learns what it can:
+
+- measured (`trial.status=ok`): COMPLETE with its objectives and a feasible constraint record (`CONSTRAINTS_KEY`);
+- a failure of the setting itself (OOM, refused data or config): infeasible, a violated constraint record, in the
+  state the study's sampler learns from (`infeasible_state`): PRUNED without a value where it can (TPE ranks an
+  infeasible trial by its violation, COMPLETE or PRUNED alike; random and grid learn from no value), so nothing
+  reads a value that was never measured (best trials, importances and the dashboard's plots count COMPLETE trials
+  only); COMPLETE with the worst values for samplers that see COMPLETE trials only (NSGA-II, GP, CMA-ES): told
+  PRUNED, they would never learn of the failure (a GP sweep then proposes the OOM region again and again);
+- a skipped proposal: a certain OOM, or a repeat of an infeasible setting, is told infeasible once more, the same
+  way; a repeat of a measured setting is PRUNED (nothing was measured, and a copied value would count twice; Optuna's
+  FAQ prunes duplicates so the sampler proposes them less);
+- any other failure (segfault, kill, timeout, NaN loss...): FAIL; it says nothing of the setting.
 """
 
 from __future__ import annotations
@@ -8,6 +23,7 @@ from typing import Any
 
 import optuna
 from omegaconf import DictConfig, OmegaConf
+from optuna.samplers import BaseSampler, BruteForceSampler, GridSampler, QMCSampler, RandomSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
 from src.failures import MEMORY, oom_needed_gib
@@ -16,6 +32,56 @@ from src.sweep.recipe import lever_overrides
 
 # Failures that the setting itself causes, the same way every time: the sampler must steer away from them.
 SETTING_FAILURES = (*MEMORY, "data_error", "config_error")
+
+# Optuna's constraint record: the trial system attr "constraints", a list of floats, feasible when each is <= 0. It is
+# what Optuna's samplers and `Study.best_trials` read (`Trial.constraints`, as `optuna.samplers._base` writes it for a
+# `constraints_func`; the name is optuna.study._constrained_optimization._CONSTRAINTS_KEY) and the only key
+# optuna-dashboard reads (`optuna_dashboard._serializer.CONSTRAINTS_KEY`); `Trial.set_constraint` writes
+# "constraints:<name>" keys, which the dashboard does not read. Checked against Optuna 5.1 and optuna-dashboard 0.21
+# (tests/test_optuna_native.py holds both names to this one).
+CONSTRAINTS_KEY = "constraints"
+# The record's entries, in order (also on the study, user attr `sweep.constraints`): the peak over the card's budget
+# (peak / budget - 1; for an OOM, what it held plus what it asked for), and whether the setting can run at all.
+CONSTRAINTS = ("vram_budget", "valid_setting")
+# Trials that tell what a setting does: measured (COMPLETE) or failed by the setting itself (PRUNED; a PRUNED skip
+# carries `trial.status=skipped` and is told apart by it). Studies of an older engine hold such failures COMPLETE.
+TOLD = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+# Samplers that learn an infeasible setting from a PRUNED trial's constraint record (TPE splits its trials into
+# feasible and infeasible before it looks at their state; checked on Optuna 5.1), or that learn from no trial's outcome.
+LEARN_FROM_PRUNED = (TPESampler, RandomSampler, GridSampler, BruteForceSampler, QMCSampler)
+
+
+def infeasible_state(sampler: BaseSampler) -> TrialState:
+    """The state an infeasible setting is told in: PRUNED (no value) where the sampler learns from it so, else
+    COMPLETE with the worst values (see the module's docstring)."""
+    return TrialState.PRUNED if isinstance(sampler, LEARN_FROM_PRUNED) else TrialState.COMPLETE
+
+
+def infeasible(record: list[float] | None) -> bool:
+    return record is not None and any(v > 0 for v in record)
+
+
+def constraint_record(vram_budget: float = 0.0, valid_setting: float = 0.0) -> list[float]:
+    """A trial's constraint record; 0 (met, nothing more known) for what was not violated."""
+    return [float(vram_budget), float(valid_setting)]
+
+
+def recorded_constraints(trial: FrozenTrial) -> list[float] | None:
+    """A trial's constraint record as the engine wrote it (or by name, as an older engine wrote it with
+    `Trial.set_constraint`); None for a trial told without one (FAIL)."""
+    record = trial.system_attrs.get(CONSTRAINTS_KEY)
+    if record is not None:
+        return [float(v) for v in record]
+    named = trial.constraints
+    return constraint_record(**{k: v for k, v in named.items() if k in CONSTRAINTS}) if named else None
+
+
+def named_constraints(trial: FrozenTrial) -> dict[str, float]:
+    """{"vram_budget": ..., "valid_setting": ...} of a trial; {} for one told without constraints."""
+    record = recorded_constraints(trial)
+    return dict(zip(CONSTRAINTS, record, strict=True)) if record is not None else {}
 
 
 def check_monotone(monotone: dict[str, str]) -> None:
@@ -37,7 +103,7 @@ class LaunchRules:
 
     def finished_twin(self, study: optuna.Study, trial: Any) -> FrozenTrial | None:
         """An earlier measured trial with exactly these settings (samplers over small spaces repeat points)."""
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        for t in study.get_trials(deepcopy=False, states=TOLD):
             if (
                 t.number != trial.number
                 and t.params == trial.params
@@ -58,7 +124,7 @@ class LaunchRules:
         if not self.monotone:
             return None
         proposal = trial.params
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        for t in study.get_trials(deepcopy=False, states=TOLD):
             if t.user_attrs.get("failure.kind") not in MEMORY or t.user_attrs.get("trial.status") != "failed":
                 continue
             if set(t.params) != set(proposal) or lever_overrides(t) != lever_overrides(trial):
@@ -83,12 +149,26 @@ class LaunchRules:
                 return True
         return False
 
-    def violation(self, kind: str, metrics: dict[str, float]) -> float:
-        """How far the setting is from feasible: for an OOM, what it held plus what it asked for, over the
-        budget (at least a hair above 0: it did fail); for a refused setting, 1."""
+    def measured(self, metrics: dict[str, float]) -> list[float]:
+        """The constraint record of a trial that ran: its peak reserved memory over the budget."""
+        return constraint_record(vram_budget=metrics.get("peak_vram_reserved_gib", 0.0) / self.budget - 1.0)
+
+    def worst(self, metrics: dict[str, Any], objectives: list[str], directions: list[str]) -> list[float]:
+        """The values of an infeasible setting told COMPLETE: the worst of each objective, except memory it held
+        when it failed (an OOM's peak, for a memory objective)."""
+        values = []
+        for objective, direction in zip(objectives, directions, strict=True):
+            worst = 0.0 if direction == "maximize" else float("inf")
+            held = metrics.get(objective) if objective.startswith("peak_vram") else None
+            values.append(float(held) if isinstance(held, int | float) else worst)
+        return values
+
+    def violation(self, kind: str, metrics: dict[str, float]) -> list[float]:
+        """The constraint record of a setting that failed by itself: for an OOM, what it held plus what it asked
+        for, over the budget (at least a hair above 0: it did fail); for a refused setting, 1 on `valid_setting`."""
         if kind not in MEMORY:
-            return 1.0
-        return max(oom_needed_gib(metrics, self.budget) / self.budget - 1.0, 0.01)
+            return constraint_record(valid_setting=1.0)
+        return constraint_record(vram_budget=max(oom_needed_gib(metrics, self.budget) / self.budget - 1.0, 0.01))
 
 
 def at_least(value: Any, reference: Any, direction: str | None) -> bool:

@@ -1,17 +1,33 @@
 """The sweep's MLflow runs: one experiment per study, one parent run per sweep (every worker's), one child run per
 trial, what a trial's run says it measured, and closing the run of a trial whose worker died.
+
+What a newcomer sees in MLflow's UI without setting anything up: each run says what it is (`run.kind` = sweep |
+trial | skipped) and a trial's name carries its knobs (`trial 3: seq=1024 grad_acc=4 r=16 group_len=true`; after
+the report, its outcome too: `trial 3 oom: ...`; `skipped (repeat of 3): ...`); the parent run's and the
+experiment's descriptions (MLflow's `mlflow.note.content`) say where the report is; and the experiment holds a
+saved view (tracking.save_view) whose columns are the knobs and the key metrics instead of 160-odd config params.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from optuna.trial import FrozenTrial
 
-from src import tracking
+from src import knobs, tracking
+from src.failures import first_line
 from src.sweep.process import Outcome
+
+log = logging.getLogger(__name__)
+
+KIND = "run.kind"  # what a run of a study's experiment is: sweep (the parent) | trial | skipped
+# The columns of the experiment's saved view: the metrics a stability map is read by (the knobs come first).
+KEY_METRICS = ("tokens_per_s", "peak_vram_reserved_gib", "vram_headroom_frac", "peak_rss_gib", "step_time_s")
+KEY_TAGS = ("report.class", "report.detail", "failure.kind", "skip.reason")
+VIEW_NAME = "stability sweep: knobs, outcome, memory, speed"
 
 
 class SweepRuns:
@@ -29,13 +45,22 @@ class SweepRuns:
         if parent is None or self._missing(parent):
             parent = self.client.create_run(
                 self.experiment_id,
-                run_name=f"sweep-{self.study_name}",
-                tags={"optuna.study": self.study_name, "sweep.role": "parent"},
+                run_name=sweep_name(self.study_name),
+                tags={"optuna.study": self.study_name, "sweep.role": "parent", KIND: "sweep"},
             ).info.run_id
         else:
             self.client.update_run(parent, status="RUNNING")
         self.parent = parent
-        tracking.set_tags(self.client, parent, tags)
+        # named and described afresh: a report's counts in its name and description are stale once it runs again
+        about = {
+            KIND: "sweep",
+            "mlflow.runName": sweep_name(self.study_name),
+            tracking.NOTE: parent_note(self.study_name),
+        }
+        tracking.set_tags(self.client, parent, {**tags, **about})
+        swept = list(json.loads(tags.get("sweep.search_space") or "{}"))
+        objectives = json.loads(tags.get("sweep.objectives") or "{}")  # {metric: direction}
+        describe_experiment(self.client, self.experiment_id, self.study_name, swept, objectives)
         return parent
 
     def _missing(self, run_id: str) -> bool:
@@ -45,18 +70,27 @@ class SweepRuns:
         except Exception:
             return True
 
-    def child(self, number: int, slot: str) -> str:
+    def child(self, number: int, slot: str, params: dict[str, Any] | None = None) -> str:
+        """A trial's run, named by its knobs when the caller passes them (`params`: config key -> value)."""
         run = self.client.create_run(
             self.experiment_id,
-            run_name=f"trial-{number:03d}",
+            run_name=trial_name(number, params or {}),
             tags={
                 "mlflow.parentRunId": self.parent,
                 "optuna.study": self.study_name,
                 "optuna.trial": str(number),
                 "sweep.slot": slot,
+                KIND: "trial",
             },
         )
         return run.info.run_id
+
+    def mark_skipped(
+        self, run_id: str, number: int, params: dict[str, Any], why: str, because_of: int | None = None
+    ) -> None:
+        """A trial not launched: named so (`skipped (repeat of 3): seq=...`) and `run.kind` skipped, so it is not
+        read as a finished trial that logged nothing."""
+        tracking.set_tags(self.client, run_id, skipped_tags(number, params, why, because_of))
 
     def of_trial(self, number: int) -> list[str]:
         """This sweep's runs of trial `number` (a worker may die after creating one, before naming it)."""
@@ -137,3 +171,111 @@ def parent_tags(
         "sweep.n_trials": sweeper.n_trials,
         "vram_budget_gib": budget,
     }
+
+
+# ---- what a run is called and says -----------------------------------------------------------------------------------
+
+
+def describe_experiment(
+    client: Any, experiment_id: str, study: str, swept: list[str], objectives: dict[str, str]
+) -> str | None:
+    """The experiment's description and its saved view (columns: the swept knobs, the objectives and key metrics,
+    the outcome tags; best first by the first objective (`objectives`: metric -> direction); charts: knobs against
+    speed and memory), without the parent run. Returns the view's key, or None (with a warning) where the store
+    refuses: a convenience never stops a sweep or a report."""
+    try:
+        key = tracking.save_view(
+            client,
+            experiment_id,
+            VIEW_NAME,
+            params=knobs.ordered(set(swept)),
+            metrics=list(dict.fromkeys([*objectives, *KEY_METRICS])),
+            tags=[KIND, *KEY_TAGS],
+            search=f"tags.`{KIND}` != 'sweep'",
+            ascending=next(iter(objectives.values()), "maximize") == "minimize",
+        )
+        client.set_experiment_tag(experiment_id, tracking.NOTE, experiment_note(study, key))
+    except Exception as exc:  # noqa: BLE001 - e.g. a server user who may log runs but not edit the experiment
+        log.warning("experiment %s: its saved view and description were not written (%s)", study, first_line(str(exc)))
+        return None
+    return key
+
+
+def view_address(tracking_uri: str, experiment_id: str, key: str) -> str:
+    """The address of the experiment's saved view: on the tracking server, or on `make ui`'s (its default port) for
+    a local store. `workflowType`: MLflow 3.17 opens an experiment in its GenAI layout (traces) unless told."""
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={key}"
+
+
+def setting_words(params: dict[str, Any], lever: list[str] | tuple[str, ...] = ()) -> str:
+    """A setting in the report's words: the knobs' short labels in registry order, a lever's overrides after."""
+    from src.report.text import fmt  # here, not at the top: src.report imports this module
+
+    words = [f"{knobs.label(k)}={fmt(params[k])}" for k in knobs.ordered(set(params))]
+    for override in lever:
+        key, _, value = override.partition("=")
+        words.append(f"+{knobs.label(key.lstrip('+~'))}={value}")
+    return " ".join(words)
+
+
+def trial_name(
+    number: int, params: dict[str, Any], lever: list[str] | tuple[str, ...] = (), outcome: str | None = None
+) -> str:
+    """`trial 3: seq=1024 r=16`; with the report's outcome (class, or a failure's kind): `trial 3 oom: ...`."""
+    head = f"trial {number}" + (f" {outcome}" if outcome else "")
+    words = setting_words(params, lever)
+    return f"{head}: {words}"[:_NAME_LIMIT] if words else head
+
+
+def skipped_name(number: int, params: dict[str, Any], why: str | None, because_of: int | None) -> str:
+    """`skipped (repeat of 3): seq=...`, `skipped (certain oom: > trial 5): ...`, `skipped (predicted oom): ...`.
+    `why`: the contract's `skip.reason` (repeat | certain_oom | predicted_oom)."""
+    if why == "certain_oom":
+        reason = "certain oom" + (f": > trial {because_of}" if because_of is not None else "")
+    elif why == "predicted_oom":
+        reason = "predicted oom"
+    elif because_of is not None:
+        reason = f"repeat of {because_of}"
+    else:
+        reason = "not launched"
+    text = setting_words(params) or f"trial {number}"
+    return f"skipped ({reason}): {text}"[:_NAME_LIMIT]
+
+
+def skipped_tags(number: int, params: dict[str, Any], why: str | None, because_of: int | None) -> dict[str, Any]:
+    return {"mlflow.runName": skipped_name(number, params, why, because_of), KIND: "skipped"}
+
+
+_NAME_LIMIT = 250  # MLflow's SQL stores keep run names up to 250 characters
+
+
+def sweep_name(study: str, summary: str | None = None) -> str:
+    """The parent run's name; with the report's counts once it ran (`sweep demo: 8 trials, 5 stable, ...`)."""
+    return (f"sweep {study}" + (f": {summary}" if summary else ""))[:_NAME_LIMIT]
+
+
+def parent_note(study: str) -> str:
+    """The parent run's description (MLflow shows it on the run's page)."""
+    return (
+        f"The sweep of study **{study}**: one child run per trial (`run.kind` trial, or skipped when not launched).\n\n"
+        f"The stability report, written by `python -m src.report {study}`, is in this run's **Artifacts** under "
+        "`report/`: open `report/report.html` for the map, every trial's peak memory against the budget, and the "
+        "knobs against speed and memory; `report/report.md` for the same in words. Its counts are this run's "
+        "`report.*` tags; each trial's run gets `report.class` (stable | marginal | failed | skipped)."
+    )
+
+
+def experiment_note(study: str, view_key: str) -> str:
+    """The experiment's description (MLflow shows it above the runs): what its runs are and how to see the knobs
+    and metrics. MLflow 3.17 nests runs under their parent only while they are sorted by creation time (it then
+    fetches a matching trial's parent too): the saved view sorts by a metric, so a filter shows trials alone."""
+    return (
+        f"Stability sweep **{study}** (Optuna study of the same name). MLflow opens in its GenAI layout: pick "
+        "**Model training** (top left) to see the runs. The sweep's parent run folds its trials, each named by its "
+        "knobs and outcome (`trial 3 stable: seq=1024 r=16 ...`), and holds the report (Artifacts → "
+        "`report/report.html`). For the knobs and key metrics as columns, open the saved view "
+        f"**{VIEW_NAME}** (**Views**, top right, or add `?viewStateShareKey={view_key}` to this page's address): "
+        "trials only, best first. Filters there: ``tags.`report.class` = 'stable'``, ``tags.`failure.kind` = "
+        "'oom'``, ``tags.`run.kind` = 'skipped'``."
+    )

@@ -25,6 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from src.study import STALE_KIND, STALE_MESSAGE, retried_numbers, study_storage
 from src.sweep.recipe import LEVER
+from src.sweep.rules import CONSTRAINTS, CONSTRAINTS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ class StudyStore:
     def url(self) -> str:
         return self.sweeper.storage or study_storage(self.study_dir.parent, self.study_name)
 
-    def open(self, directions: list[str], distributions: dict[str, BaseDistribution]) -> optuna.Study:
+    def open(
+        self, directions: list[str], distributions: dict[str, BaseDistribution], objectives: list[str]
+    ) -> optuna.Study:
         self.study_dir.mkdir(parents=True, exist_ok=True)
         url = self.url
         engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
@@ -91,6 +94,12 @@ class StudyStore:
             )
             joined = int(study.user_attrs.get("sweep.processes", 0))
             study.set_user_attr("sweep.processes", joined + 1)
+            # Optuna's own names for what the study holds: its objectives (plots, the dashboard, trials_dataframe
+            # name them instead of "Objective 0") and its constraint record's entries.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names(list(objectives))
+            study.set_user_attr("sweep.constraints", list(CONSTRAINTS))
         self.study_id = self.storage.get_study_id_from_name(self.study_name)
         if sampler_cfg and sampler_cfg.get("seed") is not None:
             # Processes of one study seeded alike would propose the same points: each process that joins
@@ -99,6 +108,14 @@ class StudyStore:
         if sampler_cfg:
             study.sampler = instantiate(sampler_cfg)
         return study
+
+    def fresh_name(self) -> str:
+        """A study name not taken yet in this storage or under sweeps/: `<name>-2`, `<name>-3`..."""
+        taken = set(optuna.get_all_study_names(self.storage)) if self.storage else set()
+        k = 2
+        while f"{self.study_name}-{k}" in taken or (self.study_dir.parent / f"{self.study_name}-{k}").exists():
+            k += 1
+        return f"{self.study_name}-{k}"
 
     # -- trials by number (the storage's public API addresses trials by id) --
 
@@ -112,6 +129,10 @@ class StudyStore:
         trial_id = self.trial_id(number)
         for key, value in attrs.items():
             self.storage.set_trial_user_attr(trial_id, key, value)
+
+    def set_constraints(self, number: int, record: list[float]) -> None:
+        """Optuna's constraint record of a running trial (src/sweep/rules.py: why not Trial.set_constraint)."""
+        self.storage.set_trial_system_attr(self.trial_id(number), CONSTRAINTS_KEY, list(record))
 
     def heartbeat(self, number: int) -> None:
         self.storage.record_heartbeat(self.trial_id(number))
@@ -159,6 +180,11 @@ class StudyStore:
         """The study holds `n_trials` trials and no lever trial waits to run."""
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         return self.occupied(study) >= n_trials and not any(LEVER in t.user_attrs for t in waiting)
+
+    def complete(self, study: optuna.Study, n_trials: int) -> bool:
+        """The study holds `n_trials` finished trials, none runs and no lever trial waits: a sweep with this command
+        has nothing left to do."""
+        return self.full(study, n_trials) and not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
 
     def others_running(self, study: optuna.Study) -> list[FrozenTrial]:
         """Running trials of other sweep processes (this process's own are watched by its own threads)."""

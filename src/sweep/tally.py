@@ -79,7 +79,7 @@ class Tally:
         if self.bar is not None:
             self.bar.close()
 
-    def summary(self, storage_url: str, tracking_uri: str, trials_dir: Any, custom_storage: bool) -> str:
+    def summary(self, storage_url: str, tracking_uri: str, trials_dir: Any, report: str) -> str:
         failed = ", ".join(f"{v} {k[7:]}" for k, v in sorted(self.counts.items()) if k.startswith("failed_"))
         lines = [
             f"\nstudy '{self.study_name}': {self.counts['finished']} trials finished, {self.counts['ok']} ok, "
@@ -88,8 +88,14 @@ class Tally:
         if self.best:
             lines.append(f"best {self.objective}: {self.best[0]:.4g} (trial {self.best[1]})")
         lines.append(f"storage: {storage_url}  |  MLflow: {tracking_uri} (experiment '{self.study_name}')")
-        report = f"python -m src.report {self.study_name}"
-        if custom_storage:  # not where the report looks by default
-            report += f" --storage {storage_url} --tracking-uri {tracking_uri}"
         lines.append(f"trial logs: {trials_dir}  |  map: {report}")
         return redact_text("\n".join(lines))
+
+    def complete(self, n_trials: int, report: str, fresh_name: str) -> str:
+        """One line for a sweep run again on a study that already holds its `n_trials` finished trials."""
+        return redact_text(
+            f"study '{self.study_name}' is already complete: it holds {self.counts['finished']} finished trials "
+            f"(hydra.sweeper.n_trials={n_trials}), so no trial was run. Its map: {report}  |  to sweep again, start "
+            f"a new study with hydra.sweeper.study_name={fresh_name}, or add trials to this one with "
+            f"hydra.sweeper.n_trials={2 * n_trials}"
+        )

@@ -83,15 +83,13 @@ def log_config(client: Any, run_id: str, cfg: DictConfig, out_dir: Path) -> None
 
 
 def train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
-    """Preflight, load the 4-bit model, attach LoRA and train it with SFTTrainer, logging to `state`'s run. What
-    was built (measurements, trainer, probes) stays in `state` for the outcome, even when this raises."""
-    import torch
-    from hydra.utils import instantiate
-    from trl import SFTConfig, SFTTrainer
+    """Preflight, load the 4-bit model, attach LoRA and train it with SFTTrainer within the memory budget, logging
+    to `state`'s run. What was built (measurements, trainer, probes) stays in `state` for the outcome, even when
+    this raises."""
+    from trl import SFTTrainer  # noqa: F401 - imports transformers, peft, accelerate: the `libraries` phase
 
-    from src import models, preflight
-    from src.config import sft_kwargs
-    from src.measure import Measurements, cap_to_budget
+    from src.measure import Measurements
+    from src.measure.memory import budget
 
     _mark(state, "libraries")
     if cfg.measure.profile_startup:  # where the start-up goes, function by function (startup_profile.txt)
@@ -106,9 +104,24 @@ def train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     state["meas"] = Measurements(cfg, progress, world_size=world_size)
     _preflight(cfg, client, run_id)
     _mark(state, "preflight")
+    # On a GPU the allocator's cap; on a CPU the process's own memory, lifted when training ends (src/measure/memory.py)
+    with budget(cfg.hardware.vram_budget_gib, state["meas"]) as facts:
+        state["budget"] = facts
+        _mark(state, "budget_cap")
+        _train(cfg, out_dir, state)
 
-    state["budget"] = cap_to_budget(cfg.hardware.vram_budget_gib)
-    _mark(state, "budget_cap")
+
+def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
+    """`train` within the memory budget: the model, LoRA, the data, the trainer, training and the adapter."""
+    import torch
+    from hydra.utils import instantiate
+    from trl import SFTConfig, SFTTrainer
+
+    from src import models, preflight
+    from src.config import sft_kwargs
+
+    client, run_id = state["client"], state["run_id"]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model, tokenizer = models.load(cfg)
     _mark(state, "model_load")
     model = preflight.guard_device_moves(model)  # a 4-bit / dispatched model must never be moved with .to()
@@ -170,6 +183,10 @@ def _callbacks(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> list[An
     probe = state["attention"] = AttentionProbe(at_step=max(1, cfg.measure.warmup_steps))
     guards = preflight.CheckpointingGuard(cfg.trainer.gradient_checkpointing)
     callbacks = [probe, state["meas"], guards, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)]
+    if cfg.measure.get("soak_minutes") is not None:  # a soak (src/sweep/soak.py): an epoch and the minutes, then stop
+        from src.measure.soak import SoakStop
+
+        callbacks.append(SoakStop(float(cfg.measure.soak_minutes)))
     if cfg.measure.profile_step:
         state["profiler"] = StepProfiler(cfg.measure.profile_step, out_dir / "profile.txt")
         callbacks.insert(1, state["profiler"])
@@ -201,11 +218,15 @@ def _dataset(cfg: DictConfig, tokenizer: Any, world_size: int) -> tuple[Any, dic
 
 
 def _mark(state: dict[str, Any], phase: str) -> None:
-    """Seconds from the trial's launch to the end of a start-up phase (metrics `startup.<phase>_s`): where the
-    per-trial fixed cost goes."""
+    """End a start-up phase: its duration in seconds, since the previous phase ended (the first: since the trial's
+    launch), as the metric `startup.<phase>_s`. The phases add up to the start-up so far; `startup_s` is the whole
+    start-up, launch to first step, and `startup.train_begin_s` (set by `record`) what the trainer did before it."""
     from src.measure import trial_started
 
-    state.setdefault("phases", {})[f"startup.{phase}_s"] = time.time() - trial_started()
+    now = time.time() - trial_started()
+    phases = state.setdefault("phases", {})
+    phases[f"startup.{phase}_s"] = now - state.get("phases_end_s", 0.0)
+    state["phases_end_s"] = now
 
 
 def _profile_text(profiler: Any, limit: int = 40) -> str:
@@ -218,8 +239,15 @@ def _profile_text(profiler: Any, limit: int = 40) -> str:
 
 
 def failure_of(exc: BaseException, meas: Any, rank: int | None = None) -> Failure:
-    """The failure, with the step that was running once training had begun (a NaN loss is seen after its step)."""
+    """The failure, with the step that was running once training had begun (a NaN loss is seen after its step).
+    A trial held to its budget on the CPU (`meas.host`) trains in host memory: an allocation that budget refused is
+    the setting's `oom`, as one past a card's memory is."""
     kind = "killed" if isinstance(exc, KeyboardInterrupt) else classify_exception(exc)
+    host = getattr(meas, "host", None)
+    if host is not None:
+        host.sample()  # what it held when it failed: the exception's frames still hold their tensors
+        if kind == "host_oom":
+            kind = "oom"
     step = None
     if meas is not None and meas.startup_s is not None:
         step = meas.step if kind == "nan_loss" else meas.step + 1
@@ -239,14 +267,18 @@ def record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Failu
         if failure is None:
             failure = Failure("other", first_line(f"measurement failed: {type(exc).__name__}: {exc}"))
     metrics["vram_budget_gib"] = budget
-    if "peak_vram_reserved_gib" in metrics:
-        metrics["vram_headroom_frac"] = 1.0 - metrics["peak_vram_reserved_gib"] / budget
     metrics.update(state.get("budget", {}))
     metrics.update(state.get("phases", {}))
+    if meas is not None and meas.startup_s is not None and "phases_end_s" in state:
+        metrics["startup.train_begin_s"] = meas.startup_s - state["phases_end_s"]  # optimizer, dataloader, hooks
     if failure and failure.kind == "oom":
         requested = oom_request_gib(failure.message)
         if requested is not None:
             metrics["oom_request_gib"] = requested
+    if "peak_vram_reserved_gib" in metrics:
+        # An OOM's headroom is from what it needed at least (held at the failure plus the allocation refused): < 0
+        needed = metrics["peak_vram_reserved_gib"] + metrics.get("oom_request_gib", 0.0)
+        metrics["vram_headroom_frac"] = 1.0 - needed / budget
     tracking.log_metrics(client, run_id, metrics)
     if meas:
         _log_series(client, run_id, meas)
@@ -279,9 +311,10 @@ def _log_series(client: Any, run_id: str, meas: Any) -> None:
     now = int(time.time() * 1000)
     series = [Metric("step_seconds", s["time_s"], now, int(s["step"])) for s in meas.steps]
     series += [
-        Metric("vram_reserved_gib", s["vram_reserved_gib"], now, int(s["step"]))
+        Metric(key, s[key], now, int(s["step"]))
         for s in meas.steps
-        if "vram_reserved_gib" in s
+        for key in ("vram_reserved_gib", "vram_allocated_gib")
+        if key in s
     ]
     series += [Metric("loss", loss, now, i + 1) for i, loss in enumerate(meas.losses)]
     for i in range(0, len(series), 500):

@@ -1,0 +1,172 @@
+"""`python -m src.fit [overrides] [--card GiB ...]`: does a setting fit a card? On a CPU, in seconds, no GPU.
+
+The memory model (src/fit/model.py) predicts the setting's peak reserved VRAM term by term, fitted to the measured
+trials of the stack in the MLflow store (first principles where none was measured), on the micro-batch the user's
+own data makes at this max_seq_length; then, per card: fits or not with the margin, and the largest max_seq_length
+and per-device batch that fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from src.fit.model import TERMS, MemoryModel, Prediction, Setting, peak_batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m src.fit",
+        description="The memory model's prediction of a setting's peak VRAM, and whether it fits a card.",
+        epilog="example: python -m src.fit model=llama3_8b_synthetic data.max_seq_length=2048 --card 16 24 40 80",
+    )
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m src.train")
+    p.add_argument(
+        "--card", type=float, nargs="+", default=None, help="card sizes in GiB (default hardware.vram_budget_gib)"
+    )
+    p.add_argument(
+        "--model-file", type=Path, default=None, help="a fitted model (--save) instead of the MLflow history"
+    )
+    p.add_argument("--save", type=Path, default=None, help="write the fitted model to this JSON file")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    args = p.parse_args(argv)
+
+    from src import redact
+    from src.config import compose
+    from src.fit.calibration import Lengths, calibrated, vocab_fallback
+
+    try:
+        cfg = compose(args.overrides)
+    except Exception as exc:
+        print(f"error: {redact.redact_text(str(exc))}", file=sys.stderr)
+        return 2
+    if args.model_file is not None:
+        if not args.model_file.exists():
+            print(f"error: --model-file {args.model_file}: no such file (write one with --save)", file=sys.stderr)
+            return 2
+        model, note = MemoryModel.load(args.model_file), f"fitted model from {args.model_file}"
+    else:
+        model, note = calibrated(cfg.tracking.uri, cfg.model.name)
+    if args.save is not None:
+        model.save(args.save)
+    lengths = Lengths().of(cfg)
+    try:
+        setting = Setting.from_config(cfg, vocab_fallback=vocab_fallback(cfg))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cards = args.card or [float(cfg.hardware.vram_budget_gib)]
+    answer = ask(model, setting, lengths, cards)
+    answer["calibration"] = note
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        print(render(answer, setting, lengths))
+    return 0
+
+
+def ask(model: MemoryModel, setting: Setting, lengths: Any, cards: list[float]) -> dict[str, Any]:
+    batch = peak_batch(lengths, setting)
+    pred = model.predict(setting, batch)
+    out: dict[str, Any] = {
+        "terms_gib": pred.terms,
+        "predicted_peak_vram_reserved_gib": pred.reserved_gib,
+        "cuda_context_gib": pred.context_gib,
+        "predicted_on_card_gib": pred.device_gib,
+        "error_frac": pred.error,
+        "peak_micro_batch": {"rows": len(batch.rows), "tokens": batch.tokens},
+        "cards": [],
+    }
+    for card in cards:
+        out["cards"].append(
+            {
+                "card_gib": card,
+                "verdict": verdict(pred, card),
+                "margin_gib": card - pred.device_gib,
+                "largest_max_seq_length": largest_seq(model, setting, lengths, card),
+                "largest_batch": largest_batch(model, setting, lengths, card),
+            }
+        )
+    return out
+
+
+def verdict(pred: Prediction, card: float) -> str:
+    """fits (even if the model underestimates by its error) | edge (within the model's error) | does not fit."""
+    if pred.device_gib + pred.error * pred.reserved_gib <= card:
+        return "fits"
+    if pred.certainly_over(card):
+        return "does not fit"
+    return "edge"
+
+
+def largest_seq(model: MemoryModel, s: Setting, lengths: Any, card: float, step: int = 64) -> int | None:
+    """The largest max_seq_length (a multiple of `step`, up to the model's context) predicted to fit at this batch;
+    None if not even `step` fits. Beyond the data's longest row a padded batch grows no more."""
+    best = None
+    for seq in range(step, s.arch.max_positions + 1, step):
+        t = s.with_knobs(max_seq_length=seq)
+        if not model.predict(t, peak_batch(lengths, t)).fits(card):
+            break
+        best = seq
+    return best
+
+
+def largest_batch(model: MemoryModel, s: Setting, lengths: Any, card: float, limit: int = 256) -> int | None:
+    best = None
+    for b in range(1, limit + 1):
+        t = s.with_knobs(batch=b)
+        if not model.predict(t, peak_batch(lengths, t)).fits(card):
+            break
+        best = b
+    return best
+
+
+def render(answer: dict[str, Any], s: Setting, lengths: Any) -> str:
+    knobs = (
+        f"max_seq_length {s.max_seq_length} · batch {s.batch} · "
+        f"{'checkpointing' if s.checkpointing else 'no checkpointing'} · attention {s.attention}"
+        f"{' · packing' if s.packing else ''} · LoRA r {s.lora_r} on {len(s.lora_targets)} projections · "
+        f"{'fp32' if s.upcast_non_quantized else 'bf16'} non-quantized weights · {s.optim}"
+    )
+    mb = answer["peak_micro_batch"]
+    data = (
+        "your data's rows unknown here: every row taken at max_seq_length"
+        if lengths is None
+        else f"your data's longest row: {int(max(lengths))} tokens"
+    )
+    err = answer["error_frac"]
+    lines = [
+        f"setting: {knobs}",
+        f"peak micro-batch: {mb['rows']} row(s), {mb['tokens']} tokens ({data})",
+        f"memory model: {answer['calibration']}; its error ±{err:.1%}",
+        "",
+    ]
+    for name in TERMS:
+        lines.append(f"  {name:<22}{answer['terms_gib'][name]:8.2f} GiB")
+    reserved = answer["predicted_peak_vram_reserved_gib"]
+    lines += [
+        f"  {'= peak reserved':<22}{reserved:8.2f} GiB  (±{err * reserved:.2f})",
+        f"  {'+ CUDA context':<22}{answer['cuda_context_gib']:8.2f} GiB",
+        f"  {'= on the card':<22}{answer['predicted_on_card_gib']:8.2f} GiB",
+        "",
+    ]
+    for c in answer["cards"]:
+        card = c["card_gib"]
+        margin = c["margin_gib"]
+        how = f"{margin:.2f} GiB left ({margin / card:.0%})" if margin >= 0 else f"short by {-margin:.2f} GiB"
+        seq = c["largest_max_seq_length"]
+        seq_text = "none" if seq is None else str(seq)
+        if seq is not None and lengths is not None and not s.packing and seq >= s.arch.max_positions:
+            seq_text = f"any (the longest row, {int(max(lengths))} tokens, fits)"
+        lines.append(
+            f"{card:g} GiB card: {c['verdict'].upper()} — {how}; largest max_seq_length at batch {s.batch}: "
+            f"{seq_text}; largest batch at max_seq_length {s.max_seq_length}: {c['largest_batch'] or 'none'}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The report's memory-model and soak views: predicted against measured peak for every trial (the memory model's
+prediction, made before launch, src/sweep/memory.py), and each soaked finalist's memory over its steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from src.study import Sweep, TrialRow
+
+PREDICTED = "predicted_peak_vram_reserved_gib"
+MEASURED = "peak_vram_reserved_gib"
+
+
+def _rows(sweep: Sweep) -> list[TrialRow]:
+    return [r for r in sweep.rows if PREDICTED in r.metrics]
+
+
+def errors(sweep: Sweep) -> list[tuple[TrialRow, float]]:
+    """(trial, relative error of the prediction) for every trial that ran and measured a peak."""
+    return [
+        (r, r.metrics[PREDICTED] / r.metrics[MEASURED] - 1)
+        for r in _rows(sweep)
+        if r.verdict in ("stable", "marginal") and r.metrics.get(MEASURED)
+    ]
+
+
+def plot_predicted(sweep: Sweep, path: Path) -> bool:
+    """Predicted against measured peak reserved VRAM; OOMs and predicted OOMs at the budget. False: nothing to draw
+    (no trial was predicted, or none measured VRAM: a CPU)."""
+    import matplotlib.pyplot as plt
+
+    measured = errors(sweep)
+    if not measured:
+        return False
+    fig, ax = plt.subplots(figsize=(5.5, 5.0))
+    xs = [r.metrics[PREDICTED] for r, _ in measured]
+    ax.scatter(xs, [r.metrics[MEASURED] for r, _ in measured], s=22, c="#2e7d32", label="ran (measured)")
+    budget = sweep.budget or max(xs)
+    ooms = [r for r in _rows(sweep) if r.verdict == "failed" and r.failure_kind == "oom"]
+    if ooms:
+        ax.scatter([r.metrics[PREDICTED] for r in ooms], [budget] * len(ooms), marker="x", c="#c62828", label="OOM")
+    skipped = [r for r in _rows(sweep) if r.verdict == "skipped" and r.failure_kind == "oom" and r.because_of is None]
+    if skipped:
+        ax.scatter(
+            [r.metrics[PREDICTED] for r in skipped],
+            [budget] * len(skipped),
+            marker="|",
+            c="#757575",
+            label="skipped: predicted OOM",
+        )
+    top = max([*xs, budget, *(r.metrics[PREDICTED] for r in ooms + skipped)]) * 1.05
+    ax.plot([0, top], [0, top], color="#9e9e9e", lw=1, label="prediction = measurement")
+    ax.axhline(budget, color="#c62828", ls="--", lw=1, label=f"budget {budget:g} GiB")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("predicted peak reserved (GiB)")
+    ax.set_ylabel("measured peak reserved (GiB)")
+    mean = sum(abs(e) for _, e in measured) / len(measured)
+    ax.set_title(f"{sweep.name}: memory model, mean error {mean:.1%} over {len(measured)} trials", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def plot_soak(sweep: Sweep, path: Path) -> bool:
+    """Each soak's reserved memory over its steps, with the probe's peak and the budget."""
+    import matplotlib.pyplot as plt
+
+    soaks = {n: s for n, s in sweep.soaks.items() if s.get("vram_reserved_gib")}
+    if not soaks:
+        return False
+    fig, ax = plt.subplots(figsize=(7.0, 4.0))
+    for number, soak in sorted(soaks.items()):
+        series = soak["vram_reserved_gib"]
+        steps = soak.get("steps") or len(series)
+        xs = [i * steps / len(series) for i in range(len(series))]
+        line = ax.plot(xs, series, lw=1.2, label=f"trial {number}: soak {soak.get('status')}")[0]
+        if soak.get("map_peak_vram_reserved_gib"):
+            ax.axhline(soak["map_peak_vram_reserved_gib"], color=line.get_color(), ls=":", lw=1)
+    if sweep.budget:
+        ax.axhline(sweep.budget, color="#c62828", ls="--", lw=1, label=f"budget {sweep.budget:g} GiB")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reserved VRAM (GiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{sweep.name}: memory over the soak (dotted: the probe's peak)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def section(sweep: Sweep, predicted_png: bool, soak_png: bool) -> list[str]:
+    """report.md's "Memory model" and "Soak" sections."""
+    out: list[str] = []
+    rows = _rows(sweep)
+    if rows:
+        measured = errors(sweep)
+        out += ["## Memory model: predicted against measured", ""]
+        if predicted_png:
+            out += ["![predicted against measured](predicted_vs_measured.png)", ""]
+        if measured:
+            mean = sum(abs(e) for _, e in measured) / len(measured)
+            worst = max(measured, key=lambda x: abs(x[1]))
+            out += [
+                f"The memory model (`python -m src.fit`) predicted each trial's peak before it was launched; over the "
+                f"{len(measured)} that ran, its mean error is {mean:.1%} and its worst {worst[1]:+.1%} (trial "
+                f"{worst[0].number}).",
+                "",
+            ]
+        out += ["| trial | class | predicted GiB | measured GiB | error |", "|---|---|---|---|---|"]
+        for r in rows:
+            m = r.metrics.get(MEASURED) if r.verdict in ("stable", "marginal") else None
+            err = f"{r.metrics[PREDICTED] / m - 1:+.1%}" if m else ""
+            what = r.verdict + (f" ({r.detail})" if r.verdict in ("failed", "skipped") else "")
+            out.append(f"| {r.number} | {what} | {r.metrics[PREDICTED]:.2f} | {f'{m:.2f}' if m else ''} | {err} |")
+        out.append("")
+    if sweep.soaks:
+        out += ["## Soak", ""]
+        if soak_png:
+            out += ["![memory over the soak](soak_memory.png)", ""]
+        out += [
+            "The best stable settings trained at least one whole epoch, in the data's real order, and at least "
+            "`hydra.sweeper.soak_minutes`; promotion takes only the ones that passed.",
+            "",
+            "| trial | soak | steps | minutes | peak GiB | probe's peak GiB | change | fragmentation | step-time drift |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for number, s in sorted(sweep.soaks.items()):
+            out.append(
+                f"| {number} | {s.get('status')}: {s.get('detail', '')} | {s.get('steps', '')} | "
+                f"{_num(s.get('minutes'), '.1f')} | {_num(s.get('peak_vram_reserved_gib'), '.2f')} | "
+                f"{_num(s.get('map_peak_vram_reserved_gib'), '.2f')} | {_num(s.get('peak_vs_map'), '+.1%')} | "
+                f"{_num(s.get('fragmentation_frac'), '.1%')} | {_num(s.get('step_time_drift'), '+.1%')} |"
+            )
+        out.append("")
+    return out
+
+
+def _num(value: Any, form: str) -> str:
+    return "" if value is None else format(value, form)

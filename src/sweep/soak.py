@@ -1,0 +1,191 @@
+"""The soak: after the map, the best stable settings (`hydra.sweeper.soak_top_k`, default 2) each train much longer,
+at least one whole epoch in the real order of the user's data (no probe subset: every batch, the longest ones
+included) and at least `hydra.sweeper.soak_minutes`, under the same cap. A probe of a few steps says a setting fits;
+the soak says it still fits after an epoch of the data's real batches, with the allocator's fragmentation.
+
+Each soak is a trial process like the map's (isolated, classified, its own MLflow run `soak-trial-NNN` under the
+sweep's parent run, `sweep.role=soak`). What it measured is kept on the study (`soak.<trial>` user attr) and on the
+finalist's own run (`soak.status` passed | failed); promotion takes only soaked settings.
+
+A soak passes when it ends without a failure and its peak reserved keeps the map's headroom margin (the same rule
+that called the probe stable). It also records how the peak moved against the probe's, allocated vs reserved
+(fragmentation), the allocator's retries and the drift of step time from the first quarter to the last.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+from omegaconf import OmegaConf
+
+from src import tracking
+from src.config import override_value
+from src.study import Sweep, TrialRow
+from src.sweep.process import Outcome, run_process
+from src.sweep.slots import Slot
+from src.sweep.stop import stopping
+from src.trial.handoff import RUN_ENV, TRIAL_ENV
+
+log = logging.getLogger(__name__)
+KEY = "soak.{}"
+# The soak trains until both: one epoch and the minutes; the epoch count only bounds it (the learning-rate
+# schedule then stretches over it, which moves no memory).
+EPOCHS_BOUND = 1000
+
+
+def overrides(row: TrialRow, fixed: list[str], minutes: float) -> list[str]:
+    """The finalist's own setting, trained for real: the sweep's fixed overrides, its params and levers, no probe."""
+    return [
+        *fixed,
+        *(f"{k}={override_value(v)}" for k, v in row.params.items()),
+        *row.lever,
+        "trainer.max_steps=-1",
+        f"trainer.num_train_epochs={EPOCHS_BOUND}",
+        f"measure.soak_minutes={minutes}",
+    ]
+
+
+def pending(study: optuna.Study, sweep: Sweep, top_k: int) -> list[TrialRow]:
+    """The finalists not soaked (or being soaked) yet."""
+    return [r for r in sweep.ranked()[:top_k] if KEY.format(r.number) not in study.user_attrs]
+
+
+def run(
+    study: optuna.Study,
+    sweep: Sweep,
+    rows: list[TrialRow],
+    slots: list[Slot],
+    fixed: list[str],
+    runs: Any,
+    sweeper: Any,
+    budget: float,
+) -> list[dict[str, Any]]:
+    """Soak `rows`, one per slot at a time; returns their records (also on the study and the runs)."""
+    minutes = float(sweeper.soak_minutes)
+    # Generous: the soak stops itself at one epoch and `minutes`; the timeout only catches a hang's slow cousin.
+    limits = OmegaConf.merge(sweeper, {"trial_timeout_s": max(float(sweeper.trial_timeout_s), minutes * 180 + 1800)})
+    queue = list(rows)
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def work(slot: Slot) -> None:
+        while not stopping.is_set():
+            with lock:
+                if not queue:
+                    return
+                row = queue.pop(0)
+            record = soak_one(study, sweep, row, slot, fixed, runs, limits, budget, minutes)
+            with lock:
+                results.append(record)
+
+    threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in slots[: max(1, len(rows))]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def soak_one(
+    study: optuna.Study,
+    sweep: Sweep,
+    row: TrialRow,
+    slot: Slot,
+    fixed: list[str],
+    runs: Any,
+    limits: Any,
+    budget: float,
+    minutes: float,
+) -> dict[str, Any]:
+    study.set_user_attr(KEY.format(row.number), {"status": "running", "slot": slot.name, "started": time.time()})
+    run_id = runs.client.create_run(
+        runs.experiment_id,
+        run_name=f"soak-trial-{row.number:03d}",
+        tags={
+            "mlflow.parentRunId": runs.parent,
+            "optuna.study": sweep.name,
+            "soak.of_trial": str(row.number),
+            "sweep.role": "soak",
+            "run.kind": "soak",
+            "sweep.slot": slot.name,
+        },
+    ).info.run_id
+    log_dir = log_dir_of(sweep, row.number)
+    env = {**slot.env, RUN_ENV: run_id, TRIAL_ENV: f"soak-{row.number}"}
+    log.info("soaking trial %d on %s: at least one epoch and %g minutes (%s)", row.number, slot.name, minutes, log_dir)
+    started = time.time()
+    outcome = run_process(overrides(row, fixed, minutes), log_dir, env, limits)
+    if not outcome.recorded:
+        tracking.close_failed(runs.client, run_id, outcome.failure, status="FAILED")
+    record = judge(outcome, row, runs.client, run_id, budget, sweep.margin, time.time() - started)
+    study.set_user_attr(KEY.format(row.number), record)
+    tracking.set_tags(runs.client, run_id, {"soak.status": record["status"]})
+    if row.run_id:
+        tracking.set_tags(runs.client, row.run_id, {"soak.status": record["status"], "soak.run_id": run_id})
+    log.info("soak of trial %d: %s (%s)", row.number, record["status"], record["detail"])
+    return record
+
+
+def judge(
+    outcome: Outcome, row: TrialRow, client: Any, run_id: str, budget: float, margin: float, wall_s: float
+) -> dict[str, Any]:
+    """The soak's record: passed when it ended without a failure and kept the map's headroom margin."""
+    m = outcome.metrics
+    reserved = _series(client, run_id, "vram_reserved_gib")
+    allocated = _series(client, run_id, "vram_allocated_gib")
+    seconds = _series(client, run_id, "step_seconds")
+    peak = m.get("peak_vram_reserved_gib")
+    probe_peak = row.metrics.get("peak_vram_reserved_gib")
+    record: dict[str, Any] = {
+        "trial": row.number,
+        "run_id": run_id,
+        "steps": len(seconds),
+        "minutes": sum(seconds) / 60 if seconds else wall_s / 60,
+        "peak_vram_reserved_gib": peak,
+        "peak_vram_allocated_gib": m.get("peak_vram_allocated_gib"),
+        "map_peak_vram_reserved_gib": probe_peak,
+        "alloc_retries": m.get("alloc_retries"),
+        "tokens_per_s": m.get("tokens_per_s"),
+        "budget_gib": budget,
+    }
+    if peak and probe_peak:
+        record["peak_vs_map"] = peak / probe_peak - 1
+    if peak and m.get("peak_vram_allocated_gib"):  # reserved but never allocated at the peak: fragmentation
+        record["fragmentation_frac"] = 1 - m["peak_vram_allocated_gib"] / peak
+    if allocated:  # at step ends (activations freed): what the allocator keeps cached between steps
+        record["vram_allocated_gib"] = allocated[:: max(1, len(allocated) // 400)]
+    if len(seconds) >= 8:
+        q = len(seconds) // 4
+        first, last = statistics.median(seconds[1 : q + 1]), statistics.median(seconds[-q:])
+        record["step_time_drift"] = last / first - 1
+    record["vram_reserved_gib"] = reserved[:: max(1, len(reserved) // 400)]  # for the picture, at most ~400 points
+    if outcome.failure:
+        kind = outcome.failure["kind"]
+        step = outcome.failure.get("step")
+        record.update(status="failed", failure_kind=kind, detail=f"{kind} at step {step}" if step else kind)
+    elif peak is not None and budget and peak > budget * (1 - margin):
+        record.update(status="failed", detail=f"headroom {1 - peak / budget:.0%} < {margin:.0%} after the soak")
+    else:
+        detail = f"{record['steps']} steps in {record['minutes']:.1f} min"
+        if peak is not None and budget:
+            detail += f", peak {peak:.2f} GiB (headroom {1 - peak / budget:.0%})"
+        record.update(status="passed", detail=detail)
+    return record
+
+
+def _series(client: Any, run_id: str, key: str) -> list[float]:
+    try:
+        history = client.get_metric_history(run_id, key)
+    except Exception:  # noqa: BLE001 - a run that logged nothing
+        return []
+    return [h.value for h in sorted(history, key=lambda h: h.step)]
+
+
+def log_dir_of(sweep: Sweep, number: int) -> Path:
+    return sweep.study_dir / "soak" / f"{number:03d}"

@@ -1,0 +1,209 @@
+"""The memory model (src/fit): its terms add up, a fit reproduces its calibration points and recovers known
+coefficients, the peak micro-batch follows the data and the knobs, calibration reads MLflow history of one stack,
+and `python -m src.fit` answers for several cards on a CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from src.config import compose
+from src.fit.__main__ import main as fit_main
+from src.fit.calibration import Lengths, calibrated, config_of
+from src.fit.model import (
+    DEFAULTS,
+    TERMS,
+    Arch,
+    MemoryModel,
+    Point,
+    Setting,
+    counts,
+    fit,
+    peak_batch,
+)
+
+LLAMA3_8B = Arch(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+LENGTHS = np.array([4024, 3387, 2723, 2046, 1950, 900, 700, 300, 120])
+
+
+def _settings() -> list[Setting]:
+    out = []
+    for seq in (512, 1024, 2048, 4096):
+        for batch in (1, 2, 4):
+            for ckpt in (False, True):
+                for attn, packing in (("sdpa", False), ("sdpa", True), ("varlen", True), ("eager", False)):
+                    out.append(Setting(LLAMA3_8B, seq, batch, ckpt, attn, packing, upcast_non_quantized=seq != 512))
+    return out
+
+
+def test_terms_add_up_and_weights_are_counted_exactly() -> None:
+    s = Setting(LLAMA3_8B, 1024, upcast_non_quantized=False)
+    pred = MemoryModel().predict(s, peak_batch(LENGTHS, s))
+    assert set(pred.terms) == set(TERMS)
+    assert pred.reserved_gib == pytest.approx(sum(pred.terms.values()))
+    assert pred.device_gib == pytest.approx(pred.reserved_gib + pred.context_gib)
+    # Llama-3-8B: 6.98e9 quantized weights at NF4 with double quantization, 1.05e9 bf16 embedding + head weights
+    assert pred.terms["quantized_weights"] == pytest.approx(6.98e9 * (0.5 + 1 / 64 + 4 / 16384) / 1024**3, rel=0.01)
+    assert pred.terms["other_weights"] == pytest.approx(2 * 128256 * 4096 * 2 / 1024**3, rel=0.01)
+    # fp32 non-quantized weights (peft's upcast) double them; paged optimizer state stays out of torch's pool
+    fp32 = counts(Setting(LLAMA3_8B, 1024, upcast_non_quantized=True), peak_batch(LENGTHS, s))
+    assert fp32["other_weights"] == pytest.approx(2 * counts(s, peak_batch(LENGTHS, s))["other_weights"], rel=1e-3)
+    adamw = counts(Setting(LLAMA3_8B, 1024, optim="adamw_torch"), peak_batch(LENGTHS, s))
+    assert adamw["lora_and_optimizer"] == pytest.approx(3 * counts(s, peak_batch(LENGTHS, s))["lora_and_optimizer"])
+
+
+def test_memory_moves_with_the_knobs_as_the_knob_registry_says() -> None:
+    base = Setting(LLAMA3_8B, 1024)
+    model = MemoryModel()
+
+    def peak(s: Setting) -> float:
+        return model.predict(s, peak_batch(LENGTHS, s)).reserved_gib
+
+    assert peak(base.with_knobs(max_seq_length=2048)) > peak(base)
+    assert peak(base.with_knobs(batch=2)) > peak(base)
+    assert peak(base.with_knobs(lora_r=64)) > peak(base)
+    assert peak(base.with_knobs(checkpointing=True)) < peak(base)
+    assert peak(base.with_knobs(attention="sdpa")) < peak(base.with_knobs(attention="eager"))
+    # a padded batch is as long as its longest row: past the data's longest row, a longer max_seq_length costs nothing
+    assert peak(base.with_knobs(max_seq_length=8192)) == pytest.approx(peak(base.with_knobs(max_seq_length=4096)))
+
+
+def test_the_peak_micro_batch_follows_the_data() -> None:
+    padded = peak_batch(LENGTHS, Setting(LLAMA3_8B, 2048, batch=4))
+    assert padded.rows == (2048,) * 4  # the four longest rows, cut at 2048
+    short = peak_batch(LENGTHS, Setting(LLAMA3_8B, 8192, batch=2))
+    assert short.rows == (4024, 4024)  # padded to the longest of the two longest rows
+    packed = peak_batch(np.tile(LENGTHS, 3), Setting(LLAMA3_8B, 4096, batch=4, packing=True))
+    assert packed.rows == (4 * 4096,)  # one padding-free row of four bins
+    tiny = peak_batch(np.array([10, 20]), Setting(LLAMA3_8B, 4096, batch=4, packing=True))
+    assert tiny.rows == (30,)  # no more tokens than the data holds
+    assert peak_batch(None, Setting(LLAMA3_8B, 1024, batch=2)).rows == (1024, 1024)  # data unknown: worst case
+
+
+def test_a_fit_reproduces_its_points_and_the_ones_it_did_not_see() -> None:
+    """Points made by a model whose coefficients differ from first principles (as a real stack's do): the fit
+    reproduces its own points and predicts the others, and moves the coefficients the points tell toward the truth."""
+    truth = MemoryModel(
+        coefficients={
+            **DEFAULTS,
+            "activations": 0.9,
+            "attention_mask": 1.3,
+            "logits_and_loss": 0.4,
+            "allocator_overhead": 0.45,
+        }
+    )
+    points = [Point(s, b, truth.predict(s, b).reserved_gib) for s in _settings() for b in [peak_batch(LENGTHS, s)]]
+    fitted = fit(points[::2], {"gpu.name": "test"})
+    for p in points:  # its own points (even) and the ones it did not see (odd)
+        assert fitted.predict(p.setting, p.batch).reserved_gib == pytest.approx(p.reserved_gib, rel=0.01)
+    assert fitted.points == len(points[::2]) and fitted.error < 0.03
+    # the largest term is told; small ones stay nearer first principles (the prior), the prediction right either way
+    assert fitted.coefficients["activations"] == pytest.approx(truth.coefficients["activations"], rel=0.05)
+    assert MemoryModel.from_dict(json.loads(json.dumps(fitted.to_dict()))).coefficients == fitted.coefficients
+
+
+def test_an_uncalibrated_model_says_so_with_a_wide_error() -> None:
+    model = fit([])
+    assert model.points == 0 and model.error == pytest.approx(0.25)
+    s = Setting(LLAMA3_8B, 1024)
+    pred = model.predict(s, peak_batch(LENGTHS, s))
+    assert not pred.certainly_over(pred.device_gib * 1.2)  # within its 25%: not certain
+    assert pred.certainly_over(pred.device_gib * 0.5)
+
+
+def test_calibration_reads_one_stack_from_mlflow_history(root: Path, mlflow_client) -> None:
+    """Runs of the tiny model on a "GPU" stack: the model is fitted to them and to no other stack's."""
+    from src import tracking
+    from src.config import to_container
+
+    cfg = compose(["model=tiny_llama", "data=clinical_sample", f"trainer.output_dir={root}"])
+    exp = mlflow_client.create_experiment("calib")
+    truth = MemoryModel(coefficients={**DEFAULTS, "activations": 1.3})
+    lengths = Lengths().of(cfg)
+    assert lengths is not None and len(lengths) > 10
+    from src.fit.calibration import vocab_fallback
+
+    vocab = vocab_fallback(cfg)
+    stack = {"gpu.name": "NVIDIA H200", "version.torch": "2.11.0"}
+    for seq in (64, 128, 256, 512):
+        for batch in (1, 2, 4):
+            c = cfg.copy()
+            c.data.max_seq_length, c.trainer.per_device_train_batch_size = seq, batch
+            s = Setting.from_config(c, vocab_fallback=vocab)
+            run = mlflow_client.create_run(exp, tags={"model.name": "tiny_llama", "trial.status": "ok", **stack}).info
+            tracking.log_params(mlflow_client, run.run_id, tracking.params(to_container(c)))
+            reserved = truth.predict(s, peak_batch(lengths, s)).reserved_gib
+            tracking.log_metrics(
+                mlflow_client, run.run_id, {"peak_vram_reserved_gib": reserved, "cuda_context_gib": 0.5}
+            )
+    other = mlflow_client.create_run(exp, tags={"model.name": "tiny_llama", "trial.status": "ok", "gpu.name": "T4"})
+    tracking.log_params(mlflow_client, other.info.run_id, tracking.params(to_container(cfg)))
+    tracking.log_metrics(mlflow_client, other.info.run_id, {"peak_vram_reserved_gib": 99.0})
+
+    model, note = calibrated(f"sqlite:///{root}/mlruns/mlflow.db", "tiny_llama", {**stack, **_rest(stack)})
+    assert model.points == 12, note
+    assert "calibrated on 12 measured trials" in note and "1 trials of other stacks not used" in note
+    for seq in (64, 512):  # its points reproduced: the T4's 99 GiB run was not one of them
+        c = cfg.copy()
+        c.data.max_seq_length = seq
+        s = Setting.from_config(c, vocab_fallback=vocab)
+        expected = truth.predict(s, peak_batch(lengths, s)).reserved_gib
+        assert model.predict(s, peak_batch(lengths, s)).reserved_gib == pytest.approx(expected, rel=0.02)
+    assert model.context_gib == pytest.approx(0.5)
+
+
+def _rest(stack: dict[str, str]) -> dict[str, str]:
+    from src.fit.calibration import STACK_TAGS
+
+    return {k: "?" for k in STACK_TAGS if k not in stack}
+
+
+def test_params_round_trip_into_a_config() -> None:
+    from src import tracking
+    from src.config import to_container
+
+    cfg = compose(["model=llama3_8b_synthetic", "trainer.output_dir=/tmp/unused"])
+    back = config_of(tracking.params(to_container(cfg)))
+    assert Setting.from_config(back) == Setting.from_config(cfg)
+
+
+def test_fit_cli_answers_for_several_cards(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert fit_main(["model=llama3_8b_synthetic", "data=clinical_notes", "--card", "16", "24", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "first principles, not calibrated" in out
+    for name in TERMS:
+        assert name in out
+    lines = [line for line in out.splitlines() if " GiB card: " in line]
+    assert [line.split(" GiB card")[0] for line in lines] == ["16", "24", "80"]
+    assert "largest max_seq_length at batch 1" in lines[0]
+    assert fit_main(["model=llama3_8b_synthetic", "data=clinical_notes", "--card", "80", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["predicted_peak_vram_reserved_gib"] == pytest.approx(sum(answer["terms_gib"].values()))
+    assert answer["cards"][0]["verdict"] == "fits" and answer["cards"][0]["largest_batch"] >= 1
+
+
+def test_fit_cli_uses_a_saved_model_and_names_a_missing_one(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = root / "model.json"
+    MemoryModel(coefficients={**DEFAULTS, "activations": 2.0}, error=0.03, points=20).save(path)
+    assert fit_main(["model=llama3_8b_synthetic", "--model-file", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["error_frac"] == pytest.approx(0.03)
+    assert fit_main(["model=llama3_8b_synthetic", "--model-file", str(root / "nope.json")]) == 2
+    assert "--model-file" in capsys.readouterr().err
+
+
+def test_the_sweeps_gate_reads_each_trials_setting_alone_and_names_a_bad_mode(root: Path) -> None:
+    from src.sweep.memory import MemoryGate
+    from src.sweep.space import SpaceError
+
+    cfg = compose(["model=llama3_8b_synthetic", "data=clinical_notes"])
+    gate = MemoryGate(cfg, "predict", LENGTHS, 24.0)
+    big = gate.setting(["trainer.per_device_train_batch_size=8", "trainer.gradient_checkpointing=true", "model=x"])
+    assert big is not None and big.batch == 8 and big.checkpointing
+    assert gate.setting([]).batch == 1  # the first trial's overrides did not reach the sweep's config
+    assert gate.predict(["trainer.per_device_train_batch_size=8"]).reserved_gib > gate.predict([]).reserved_gib
+    assert not gate.skips(gate.predict(["trainer.per_device_train_batch_size=64"]))  # predict: never skips
+    with pytest.raises(SpaceError, match="hydra.sweeper.memory_model"):
+        MemoryGate(cfg, "sometimes", LENGTHS, 24.0)
