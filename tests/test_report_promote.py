@@ -154,8 +154,9 @@ def test_importances_say_which_knobs_move_the_metrics(swept: Path) -> None:
     assert set(speed.values) == {"data.max_seq_length", "lora.r"}  # fault.kind never varied among finished trials
     assert sum(speed.values.values()) == pytest.approx(1.0, abs=1e-6)
     assert speed.method.startswith("fANOVA")
+    # on a CPU the peak is the trial process's memory under the budget (src/measure/memory.py): it is explained too
     memory = report.importance(sweep, "peak_vram_reserved_gib", "minimize")
-    assert not memory.values and "was 0 in all 4 finished trials" in memory.note  # a CPU has no VRAM to explain
+    assert memory.n_trials == 4 and set(memory.values) == {"data.max_seq_length", "lora.r"}
     md = (swept / "sweeps" / STUDY / "report.md").read_text()
     assert "## Which knobs matter" in md and "How these were computed" in md and "| lora.r |" in md
 
@@ -238,7 +239,9 @@ def test_promoting_again_moves_the_alias_and_keeps_the_older_version(
     target = tmp_path / "production.yaml"
     promoted = []
     for row in stable[:2]:
-        assert promote.main([STUDY, "--trial", str(row.number), "--experiment-file", str(target)]) == 0
+        assert (
+            promote.main([STUDY, "--trial", str(row.number), "--allow-unsoaked", "--experiment-file", str(target)]) == 0
+        )
         versions, production = _registry(client)
         assert client.get_model_version("llama3-qlora", production).run_id == row.run_id
         assert f"trial:      {row.number}, chosen with --trial" in target.read_text()
