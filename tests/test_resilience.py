@@ -281,3 +281,34 @@ def test_a_trial_whose_engine_died_before_it_started_exits_at_once(parent: str) 
         assert done.returncode == 0 and done.stdout.strip() == "alive None", done.stderr
     else:
         assert done.returncode == -signal.SIGKILL and "alive" not in done.stdout
+
+
+def test_a_trial_whose_worker_died_right_after_asking_is_failed_once_the_grace_period_passed(tmp_path: Path) -> None:
+    """SIGKILL between Optuna's ask and the engine writing its worker and first heartbeat leaves a RUNNING trial that
+    no heartbeat will ever expire; recovery fails it by age (past grace_period_s), not before."""
+    import optuna
+    from omegaconf import OmegaConf
+
+    from src.sweep.storage import StudyStore
+
+    def store(grace: int) -> StudyStore:
+        sweeper = OmegaConf.create(
+            {
+                "storage": None,
+                "heartbeat_interval_s": 10,
+                "grace_period_s": grace,
+                "retry_failed_trials": False,
+                "sampler": None,
+            }
+        )
+        return StudyStore(sweeper, "orphan", tmp_path / "orphan", "host", lambda s, t: None, lambda s, t: False)
+
+    patient = store(3600)
+    study = patient.open(["maximize"], {}, ["tokens_per_s"])
+    trial = study.ask()  # and its worker dies here
+    patient.recover(study)
+    assert study.trials[trial.number].state == optuna.trial.TrialState.RUNNING  # young: its worker may be writing
+    impatient = store(1)  # another worker, a second's grace period, and that second gone
+    time.sleep(1.2)
+    impatient.recover(impatient.open(["maximize"], {}, ["tokens_per_s"]))
+    assert study.trials[trial.number].state == optuna.trial.TrialState.FAIL

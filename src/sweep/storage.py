@@ -12,6 +12,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -205,8 +206,13 @@ class StudyStore:
         stale = self._stale_numbers()
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             here = t.user_attrs.get("worker.host") == self.host
-            dead = t.number in stale or (
-                here and not _alive(t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started"))
+            # Asked, then its worker died before writing who runs it and a first heartbeat (they are written under
+            # the study's lock right after the ask): no heartbeat will ever expire, so age alone tells.
+            orphan = "worker.pid" not in t.user_attrs and _older_than(t.datetime_start, self.sweeper.grace_period_s)
+            dead = (
+                t.number in stale
+                or orphan
+                or (here and not _alive(t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started")))
             )
             if not dead or self.from_records(study, t):
                 continue
@@ -258,6 +264,11 @@ def create_time(pid: int) -> float | None:
         return psutil.Process(pid).create_time()
     except Exception:
         return None
+
+
+def _older_than(started: Any, seconds: float) -> bool:
+    """Whether a trial's start (Optuna's naive local datetime) lies more than `seconds` in the past."""
+    return started is not None and (datetime.now() - started).total_seconds() > float(seconds)
 
 
 def _alive(pid: int | None, started: float | None) -> bool:
