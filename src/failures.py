@@ -28,6 +28,20 @@ KINDS = (
     "config_error",
     "other",
 )
+# The faults src.faults injects (`fault.kind`); here, without torch, so the config guards check the key cheaply.
+FAULT_KINDS = (
+    "none",
+    "oom",
+    "launch_failure",
+    "illegal_memory_access",
+    "device_assert",
+    "cublas",
+    "nccl",
+    "segfault",
+    "hang",
+    "nan_loss",
+    "kill",
+)
 # Errors after which the CUDA context is poisoned: worth one re-run with CUDA_LAUNCH_BLOCKING=1.
 STICKY_CUDA = ("launch_failure", "illegal_memory_access", "device_assert", "cublas")
 # Failures caused by the setting's memory: the sampler should learn to avoid them (constraint violation). The

@@ -18,19 +18,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-FAULT_KINDS = (
-    "none",
-    "oom",
-    "launch_failure",
-    "illegal_memory_access",
-    "device_assert",
-    "cublas",
-    "nccl",
-    "segfault",
-    "hang",
-    "nan_loss",
-    "kill",
-)
+from src.failures import FAULT_KINDS
 
 _CUDA_MESSAGES = {
     "launch_failure": "CUDA error: unspecified launch failure",

@@ -124,6 +124,13 @@ def ensure_built(model_cfg: Any) -> None:
             build_random_llama(path, OmegaConf.to_container(model_cfg.build))
 
 
+def prepared(model_cfg: Any, cache_dir: str | Path) -> bool:
+    """Whether the model is there, and its cached 4-bit copy where the config asks for one: nothing to build."""
+    if not Path(model_cfg.path).exists():
+        return False
+    return not model_cfg.cache_quantized or (_quantized_copy(model_cfg, Path(cache_dir)) / "config.json").exists()
+
+
 def device_map(parallelism: str, configured: Any = None) -> dict[str, Any] | str:
     if not torch.cuda.is_available():
         return {"": "cpu"}

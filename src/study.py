@@ -234,6 +234,16 @@ class Sweep:
             else None
         )
 
+    def memory_words(self) -> tuple[str, str]:
+        """(axis label, title) for the peak memory the trials measured: reserved VRAM on a GPU; on a machine without
+        one, the trial process's own memory beyond its start-up, which the budget held (src/measure/memory.py)."""
+        if any("host_limit_gib" in r.metrics for r in self.rows):
+            return (
+                "peak memory beyond start-up (GiB)",
+                "peak memory of each trial process beyond its start-up (no GPU: the budget held that memory)",
+            )
+        return "peak reserved VRAM (GiB)", "peak reserved VRAM"
+
     def plain_rows(self) -> list[TrialRow]:
         """The trials of the map: lever trials left out (their params are the recipe's, their setting is not)."""
         return [r for r in self.rows if not r.lever]

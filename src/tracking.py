@@ -66,6 +66,7 @@ def system_tags() -> dict[str, str]:
     tags = {f"version.{k}": v for k, v in versions().items()}
     tags["python"] = platform.python_version()
     tags["host"] = platform.node()
+    tags["torch.num_threads"] = str(torch.get_num_threads())  # the slot's share of the cores (OMP_NUM_THREADS)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         tags["gpu.name"] = props.name

@@ -43,8 +43,8 @@ CONF = PROJECT_DIR / "conf"
 # Overrides for a test's real sweep of the tiny Llama (`python -m src.train -m hydra/sweeper=optuna ...`): a probe
 # of 4 steps instead of the sweep's 8 (measure.warmup_steps=2 leaves 2 measured; training is most of a CPU trial's
 # time), no soak (minutes of training per setting: a test of the soak asks for one) and no progress bar in the
-# captured output. Forking trials from a warm interpreter (preload=true) saved 4% of a 6-trial sweep's CPU here:
-# the trial's own compose, preflight and steps cost more than its imports.
+# captured output. Trials are forked from a warm interpreter (hydra.sweeper.preload, on by default): a forked trial
+# here costs ~7 CPU-seconds, a fresh interpreter ~18, most of it imports.
 FAST_SWEEP = [
     "hydra.sweeper.progress=false",
     "hydra.sweeper.soak_top_k=0",
@@ -98,13 +98,46 @@ def run_cli(
     )
 
 
+@pytest.fixture(scope="session")
+def empty_store(cache_dir: Path) -> Path:
+    """An MLflow SQLite store with nothing in it but its tables, made once per run (under pytest-xdist, once for all
+    workers) and copied where a test's store goes: MLflow makes a new store by running its schema migrations, ~3.5
+    CPU-seconds each time, and the copy is the file those migrations make (its Default experiment's folder is the
+    project's mlruns/0, as for any store made from the project directory)."""
+    from filelock import FileLock
+    from mlflow.tracking import MlflowClient
+
+    path = cache_dir / "mlflow-empty.db"
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            partial = path.with_name(path.name + ".partial")
+            partial.unlink(missing_ok=True)
+            cwd = Path.cwd()
+            os.chdir(PROJECT_DIR)
+            try:
+                MlflowClient(tracking_uri=f"sqlite:///{partial}").search_experiments()
+            finally:
+                os.chdir(cwd)
+            partial.rename(path)
+    return path
+
+
+def new_store(root: Path, empty_store: Path) -> str:
+    """`root`'s MLflow store (root/mlruns/mlflow.db, where every command of the project puts it), as MLflow would
+    make it; its URI."""
+    (root / "mlruns").mkdir(exist_ok=True)
+    db = root / "mlruns" / "mlflow.db"
+    if not db.exists():
+        shutil.copyfile(empty_store, db)
+    return f"sqlite:///{db}"
+
+
 @pytest.fixture
-def mlflow_client(root: Path) -> Iterator:
+def mlflow_client(root: Path, empty_store: Path) -> Iterator:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{root}/mlruns/mlflow.db"
-    (root / "mlruns").mkdir(exist_ok=True)
+    uri = new_store(root, empty_store)
     mlflow.set_tracking_uri(uri)
     yield MlflowClient(tracking_uri=uri)
 

@@ -16,6 +16,9 @@ PRIVATE_ALLOWED = {
     "torch.cuda._is_in_bad_fork": "the only way to ask whether a forked child inherited a CUDA context",
     "func._schema": "an aten op's name as the dispatcher sees it (which attention kernel ran)",
     "os._exit": "a data-parallel rank leaves without tearing down gloo (documented os API)",
+    "forkserver._forkserver": "multiprocessing's one ForkServer, whose pipe a forked trial must let go of",
+    "server._forkserver_alive_fd": "the forkserver's 'alive' pipe each forked child is handed (no public handle)",
+    "server._forkserver_address": "cleared with the pipe: a forkserver a trial asks for later is its own",
     "self.storage._get_stale_trial_ids": "Optuna's stale trials without failing them: their records are read first",
 }
 

@@ -1,6 +1,6 @@
 """The stability map and promotion: one real sweep of the tiny Llama (three stable settings, an injected OOM, a
 setting that cuts answers, a segfault) is classified trial by trial, drawn, logged to its parent run and
-promoted; hand-made studies cover the classes a CPU cannot produce (marginal headroom, allocator retries,
+promoted, also by a reader that has only the study's two stores; hand-made studies cover the classes a CPU cannot produce (marginal headroom, allocator retries,
 timeouts, skipped repeats) and the refusals."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import mlflow.artifacts
 import numpy as np
 import optuna
 import pytest
@@ -215,6 +216,49 @@ def test_promotion_registers_the_best_stable_trial_and_its_settings_compose(swep
 
 
 @pytest.mark.slow
+def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(swept: Path, tmp_path: Path) -> None:
+    """The study's two stores copied elsewhere, away from its folder (no trial logs, no .hydra/ files, no sweeps/):
+    the report and the promotion read everything from the Optuna storage and the trials' MLflow runs, and the
+    experiment file still composes what the promoted trial ran."""
+    root = tmp_path / "reader"  # a machine that only reads the stores: an empty QLORA_ROOT
+    root.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copyfile(swept / "sweeps" / STUDY / "optuna.db", tmp_path / "elsewhere" / "optuna.db")
+    shutil.copyfile(swept / "mlruns" / "mlflow.db", tmp_path / "elsewhere" / "mlflow.db")
+    storage, store = (f"sqlite:///{tmp_path}/elsewhere/{name}.db" for name in ("optuna", "mlflow"))
+    where = ["--storage", storage, "--tracking-uri", store]
+
+    shown = run_cli("src.report", STUDY, *where, root=root)
+    assert shown.returncode == 0, shown.stderr[-4000:]
+    sweep = report.load(STUDY, root / "sweeps", storage=storage, tracking_uri=store)
+    assert [{k: r.params[k] for k in SETTINGS[0]} for r in sweep.rows] == SETTINGS
+    assert [r.verdict for r in sweep.rows] == [expected(s)[0] for s in SETTINGS]
+    best = sweep.best()
+    assert f"best stable: trial {best.number}; promote it: python -m src.promote {STUDY}" in shown.stdout
+
+    conf = tmp_path / "conf"  # a copy of the project's configs, so the repo's conf/ is never written
+    shutil.copytree(PROJECT_DIR / "conf", conf)
+    target = conf / "experiment" / "production.yaml"
+    target.unlink(missing_ok=True)
+    promoted = run_cli("src.promote", STUDY, *where, "--allow-unsoaked", "--experiment-file", str(target), root=root)
+    assert promoted.returncode == 0, promoted.stderr[-4000:]
+    # (this module's promotion test may have promoted the same trial in the store copied here already)
+    assert f"trial {best.number} of study {STUDY}" in promoted.stdout
+    assert MlflowClient(store).get_model_version_by_alias("llama3-qlora", "production").run_id == best.run_id
+    cfg = compose(["experiment=production"], config_dir=conf)
+    for key, value in best.params.items():
+        assert OmegaConf.select(cfg, key) == value, key
+    logged = mlflow.artifacts.download_artifacts(
+        run_id=best.run_id, artifact_path="config/config.yaml", dst_path=str(tmp_path / "logged"), tracking_uri=store
+    )
+    measured = tracking.params(OmegaConf.to_container(OmegaConf.load(logged)))
+    composed = tracking.params(OmegaConf.to_container(cfg))
+    differ = {k for k in measured.keys() | composed.keys() if measured.get(k) != composed.get(k)}
+    assert differ <= PROBE_KEYS, differ
+    assert not (root / "sweeps" / STUDY / "trials").exists()
+
+
+@pytest.mark.slow
 def test_a_setting_that_cuts_answers_is_never_promoted(
     swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -366,6 +410,22 @@ def test_classes_from_headroom_retries_failures_and_repeats(tmp_path: Path) -> N
     written = report.write(sweep)  # on GPU figures the memory picture draws VRAM against the budget
     assert all(p.read_bytes().startswith(PNG_SIGNATURE) for p in written.files if p.suffix == ".png")
     assert "Dashed: the budget" in written.files[0].read_text()
+
+
+def test_memory_on_a_machine_without_a_gpu_is_named_for_what_was_measured(tmp_path: Path) -> None:
+    """On a CPU the budget holds the trial process's own memory beyond its start-up (src/measure/memory.py): the
+    pictures call it that, not VRAM."""
+    storage = f"sqlite:///{tmp_path}/cpu.db"
+    cpu = {"host_limit_gib": 2.1, "host_startup_gib": 1.8}
+    _hand_made(storage, "cpu", [_trial(None, n, reserved=0.1 * (n + 1), tokens_per_s=900.0, attrs=cpu) for n in (0, 1)])
+    sweep = report.load("cpu", tmp_path / "sweeps", storage=storage)
+    assert sweep.memory_words()[0] == "peak memory beyond start-up (GiB)"
+    page = report.write(sweep).files
+    html = next(p for p in page if p.suffix == ".html").read_text()
+    assert "peak memory beyond start-up (GiB)" in html and "peak reserved VRAM (GiB)" not in html
+    _hand_made(f"sqlite:///{tmp_path}/gpu.db", "gpu", [_trial(None, 0, reserved=14.0, tokens_per_s=2100.0)])
+    gpu = report.load("gpu", tmp_path / "sweeps", storage=f"sqlite:///{tmp_path}/gpu.db")
+    assert gpu.memory_words()[0] == "peak reserved VRAM (GiB)"
 
 
 def test_throughput_read_on_a_shared_card_is_flagged_as_a_ranking(tmp_path: Path) -> None:

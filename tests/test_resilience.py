@@ -147,7 +147,8 @@ def test_ctrl_c_stops_the_trials_marks_them_interrupted_and_says_how_to_resume(r
         while time.time() < deadline and '"training"' not in _read(progress):
             assert sweep.poll() is None, _read(log)[-3000:]
             time.sleep(0.5)
-        trials = [p for p in psutil.Process(sweep.pid).children() if "src.train" in " ".join(p.cmdline())]
+        # A trial is the leader of its own session: a child of the sweep (a fresh interpreter) or of its forkserver
+        trials = [p for p in psutil.Process(sweep.pid).children(recursive=True) if os.getsid(p.pid) == p.pid]
         assert len(trials) == 1, "the hanging trial"
         assert os.getsid(trials[0].pid) == trials[0].pid != os.getsid(sweep.pid), "a session of its own"
         sweep.send_signal(signal.SIGINT)

@@ -370,6 +370,7 @@ def test_worker_killed_mid_trial_is_failed_by_heartbeat_and_retried(
         "hydra.sweeper.grace_period_s=4",
         "hydra.sweeper.retry_failed_trials=true",
         "hydra.sweeper.enqueue_trials=[]",
+        "hydra.sweeper.trial_overrides=['trainer.max_steps=24']",  # still training for a while when its worker dies
     )
     env = worker_env(tmp_path, cache_dir, postgres, tracking_server)
     monkeypatch.setenv("PGPASSWORD", postgres.password)

@@ -11,6 +11,8 @@ with the run; two guards can only act on the loaded model and are installed by t
 
 from __future__ import annotations
 
+from typing import Any
+
 from omegaconf import DictConfig
 
 from src import redact
@@ -19,7 +21,6 @@ from src.preflight.config_guards import check_config
 from src.preflight.data import DATA_CHECKS, check_data
 from src.preflight.machine import environment
 from src.preflight.report import Finding, Report, rows_text
-from src.preflight.runtime_guards import CheckpointingGuard, guard_device_moves
 from src.preflight.secrets import check_secrets
 from src.preflight.versions import STACK, check_versions, load_known_bad
 
@@ -38,6 +39,16 @@ __all__ = [
     "load_known_bad",
     "run",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The run-time guards import transformers' trainer (peft, bitsandbytes: ~10 s on a small CPU): loaded when a
+    trial first asks for them, so the sweep engine's checks of the space stay light."""
+    if name in ("CheckpointingGuard", "guard_device_moves"):
+        from src.preflight import runtime_guards
+
+        return getattr(runtime_guards, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(cfg: DictConfig, *, data: bool = True) -> Report:

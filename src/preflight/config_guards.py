@@ -9,7 +9,7 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from src.faults import FAULT_KINDS
+from src.failures import FAULT_KINDS
 from src.models import SDPA_BACKENDS, context_length
 from src.preflight.report import Report
 

@@ -139,6 +139,13 @@ def _map(sweep: Sweep, axes: tuple[str | None, str | None]) -> str:
     )
 
 
+def _metric_name(sweep: Sweep, metric: str) -> str:
+    """A metric's name on the page; peak "VRAM" in the words of what it was on this study's machine."""
+    if metric == "peak_vram_reserved_gib":
+        return sweep.memory_words()[0]
+    return _METRICS.get(metric, metric)
+
+
 def _memory_figure(sweep: Sweep, x: str | None, metric: str) -> Any:
     """Peak memory per trial against the map's first knob, one trace per class; the budget and the margin as lines;
     OOMs at what they held plus what they asked for (capped), as in the PNG."""
@@ -147,6 +154,7 @@ def _memory_figure(sweep: Sweep, x: str | None, metric: str) -> Any:
     fig = go.Figure()
     rows = [r for r in sweep.plain_rows() if not _repeat(sweep, r)]
     gpu = metric.startswith("peak_vram") and bool(sweep.budget)
+    axis, what = sweep.memory_words() if gpu else (_metric_name(sweep, metric), "")
     for verdict in ("stable", "marginal", "failed"):
         points = []
         for r in rows:
@@ -174,7 +182,7 @@ def _memory_figure(sweep: Sweep, x: str | None, metric: str) -> Any:
                     "line": {"width": 1, "color": "#333"},
                 },
                 text=[_hover(sweep, r) for r, _, _ in points],
-                hovertemplate="%{text}<br>" + _METRICS.get(metric, metric) + ": %{y:.2f}<extra></extra>",
+                hovertemplate="%{text}<br>" + axis + ": %{y:.2f}<extra></extra>",
             )
         )
     if gpu:
@@ -190,11 +198,11 @@ def _memory_figure(sweep: Sweep, x: str | None, metric: str) -> Any:
             annotation_position="bottom right",
         )
     title = (
-        "peak reserved VRAM per trial; dashed: the budget, dotted: the margin below it"
+        f"{what} per trial; dashed: the budget, dotted: the margin below it"
         if gpu
         else "peak host RSS per trial (this study ran without a GPU: VRAM was 0)"
     )
-    _layout(fig, title, _axis_name(x), _METRICS.get(metric, metric), categorical=_categorical(sweep, x))
+    _layout(fig, title, _axis_name(x), axis, categorical=_categorical(sweep, x))
     if gpu:
         fig.update_yaxes(rangemode="tozero")
     return fig
@@ -226,7 +234,7 @@ def _parallel_figure(sweep: Sweep, memory_metric: str) -> Any:
         values = [_measured(sweep, r, metric) for r in rows]
         if any(v is not None for v in values):
             # a trial that did not measure it sits at 0 and the axis says so (plotly has no gap for a NaN)
-            name = _METRICS.get(metric, metric) + (" (0: not measured)" if None in values else "")
+            name = _metric_name(sweep, metric) + (" (0: not measured)" if None in values else "")
             dims.append({"label": name, "values": [v or 0.0 for v in values]})
     scale = [[0.0, COLOURS["failed"]], [0.5, COLOURS["marginal"]], [1.0, COLOURS["stable"]]]
     fig = go.Figure(go.Parcoords(line={"color": outcome, "colorscale": scale, "cmin": 0, "cmax": 2}, dimensions=dims))
@@ -275,7 +283,7 @@ def _scatter_figure(sweep: Sweep, memory_metric: str) -> Any:
         )
 
     def name(key: str) -> str:
-        return _METRICS.get(key) or _axis_name(key)
+        return _metric_name(sweep, key) if key in _METRICS else _axis_name(key)
 
     x_menu = [
         {

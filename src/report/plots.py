@@ -132,8 +132,8 @@ def plot_memory(sweep: Sweep, x: str | None, series: str | None, path: Path) -> 
     if metric.startswith("peak_vram") and sweep.budget:
         _budget_lines(ax, sweep, x, pos)
         ax.set_ylim(bottom=0)
-        ax.set_ylabel("peak reserved VRAM (GiB)")
-        title = "peak VRAM"
+        label, title = sweep.memory_words()
+        ax.set_ylabel(label)
     else:
         ax.set_ylabel("peak host RSS (GiB)")
         title = "peak host memory (no GPU in this study: VRAM was 0)"

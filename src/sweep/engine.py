@@ -250,7 +250,13 @@ class SweepEngine:
 
     def prepare(self, slot: Slot) -> None:
         """Build the model (random models) and its 4-bit copy once, before any trial: trials then only load it,
-        and no trial's peak includes the build."""
+        and no trial's peak includes the build. Once built (by an earlier sweep, or a trial), nothing is started:
+        a process that imports the training stack only to find the files there costs seconds of every sweep."""
+        from src import models
+
+        own = [o for o in self.trial_overrides if o.lstrip("+~").startswith(("model.", "paths."))]
+        if not own and models.prepared(self.config.model, self.config.paths.cache_dir):
+            return
         log_dir = self.study_dir / "prepare"
         cmd = [
             sys.executable,

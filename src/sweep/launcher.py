@@ -53,6 +53,7 @@ DEFAULT_PRELOAD = (
     "src.failures",
     "src.sweep.warm",
 )
+_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"  # its "There appear to be N leaked semaphore objects" warning
 _lock = threading.Lock()
 _context: Any = None  # the forkserver context once it proved safe, False once it did not
 
@@ -93,6 +94,12 @@ def _start(preload: list[str]) -> Any:
         return False
     # Inherited by the forkserver (and the trials): torch.cuda.is_available() then asks NVML, not the driver.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    # multiprocessing's resource tracker starts with the forkserver and serves the trials forked from it: it removes
+    # the semaphores a killed trial leaves behind (joblib's, in /dev/shm), and says so in a warning on the sweep's
+    # terminal as the sweep ends. A trial killed on purpose (a timeout, a hang, Ctrl-C) is no leak to report. The
+    # tracker takes its warning filters from this process's -W options when it starts.
+    if _TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(_TRACKER_QUIET)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     probe = ctx.Process(target=_probe, name="preload-probe")
@@ -132,7 +139,32 @@ def child_setup() -> None:
     dies with the engine) dies."""
     parent = os.getppid()
     os.setsid()
+    _leave_the_forkserver()
     die_with_parent(parent)
+
+
+def _leave_the_forkserver() -> None:
+    """multiprocessing hands each forked child the write end of the forkserver's "alive" pipe, so that the server
+    lives while any of its clients does. A trial starts no forked children of its own, and holding that end kept
+    the forkserver alive after the engine died, and the trial with it (its parent-death signal waits for the
+    forkserver): a SIGKILLed sweep left its trials training. Dropped here, the forkserver exits with the engine and
+    the trial with the forkserver; a forkserver the trial might ask for later would be a new one of its own."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the module's one ForkServer (no public handle on the inherited pipe)
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+        server._forkserver_address = None
+
+
+def _own_threads(env: dict[str, str]) -> None:
+    """The slot's share of the cores (OMP_NUM_THREADS) for torch's thread pool. A fresh interpreter reads it as
+    torch loads; a fork inherits the pool the forkserver sized for the whole machine, and trials at once then run
+    more busy-waiting threads than there are cores: each CPU step took 6x as long (1.48 s against 0.24 s)."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def _trial_main(argv: list[str], stdout: str, stderr: str, env: dict[str, str]) -> None:
@@ -148,6 +180,7 @@ def _trial_main(argv: list[str], stdout: str, stderr: str, env: dict[str, str]) 
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     faulthandler.enable(file=sys.stderr)  # what PYTHONFAULTHANDLER gives a fresh interpreter
     os.environ.update(env)
+    _own_threads(env)
     sys.argv = [str(Path(__file__).parent.parent / "train.py"), *argv]
     try:
         runpy.run_module("src.train", run_name="__main__", alter_sys=True)
