@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
+from benchmarks.ui_screenshot import CHROMIUM_FLAGS
 from src import report, tracking
 from src.config import PROJECT_DIR, compose
 from src.sweep.process import stop_process_group
@@ -354,14 +355,7 @@ def test_make_ui_shows_the_report_page_and_the_saved_view_in_a_browser_under_1_g
             browser = p.chromium.launch_persistent_context(
                 str(profile),
                 executable_path=chromium,
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--no-first-run",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-sync",
-                ],
+                args=list(CHROMIUM_FLAGS),  # the screenshot script's Chromium, as CI's Debian package runs it
                 viewport={"width": 1600, "height": 1000},
             )
             page = browser.new_page()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from src.report.plots import finish
 from src.study import Sweep, TrialRow
 
 PREDICTED = "predicted_peak_vram_reserved_gib"
@@ -57,11 +58,8 @@ def plot_predicted(sweep: Sweep, path: Path) -> bool:
     ax.set_xlabel("predicted peak reserved (GiB)")
     ax.set_ylabel("measured peak reserved (GiB)")
     mean = sum(abs(e) for _, e in measured) / len(measured)
-    ax.set_title(f"{sweep.name}: memory model, mean error {mean:.1%} over {len(measured)} trials", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    title = f"{sweep.name}: memory model, mean error {mean:.1%} over {len(measured)} trials"
+    finish(fig, ax, path, title, size=9, legend=7, where="upper left")
     return True
 
 
@@ -85,11 +83,8 @@ def plot_soak(sweep: Sweep, path: Path) -> bool:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reserved VRAM (GiB)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{sweep.name}: memory over the soak (dotted: the probe's peak)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    title = f"{sweep.name}: memory over the soak (dotted: the probe's peak)"
+    finish(fig, ax, path, title, size=9, legend=7, where="lower right")
     return True
 
 

@@ -15,6 +15,22 @@ from src.study import Sweep, TrialRow, sort_key
 COLOURS = {"stable": "#2e7d32", "marginal": "#f9a825", "failed": "#c62828", "untested": "#e0e0e0"}
 
 
+def save(fig: Any, path: Path) -> None:
+    """Every picture of the report: 110 dpi, trimmed to what is drawn, and the figure's memory freed."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def finish(fig: Any, ax: Any, path: Path, title: str, *, size: int = 10, legend: int = 8, where: str = "best") -> None:
+    """A picture with a title, a light grid and a legend, saved (`save`)."""
+    ax.set_title(title, fontsize=size)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend, loc=where)
+    save(fig, path)
+
+
 def map_axes(sweep: Sweep, ranking: dict[str, float]) -> tuple[str | None, str | None]:
     """The two knobs of the map: max_seq_length (what users change first) against the knob that moves
     memory most (importance `ranking`), or else the one with most values, in the knob registry's order."""
@@ -108,8 +124,7 @@ def plot_map(sweep: Sweep, x: str | None, y: str | None, path: Path) -> None:
         fontsize=8,
         frameon=False,
     )
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save(fig, path)
 
 
 # ---- peak memory -------------------------------------------------------------------------------------------------------
@@ -142,11 +157,7 @@ def plot_memory(sweep: Sweep, x: str | None, series: str | None, path: Path) -> 
     elif xs and xs != [None]:
         ax.set_xticks([float(v) for v in xs], [fmt(v) for v in xs])
     ax.set_xlabel(x or "")
-    ax.set_title(f"{sweep.name}: {title}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    finish(fig, ax, path, f"{sweep.name}: {title}")
     return metric
 
 
@@ -237,5 +248,4 @@ def plot_throughput(sweep: Sweep, path: Path, limit: int = 40) -> None:
         ax.margins(x=0.15)
         ax.grid(axis="x", alpha=0.3)
     ax.set_title(f"{sweep.name}: throughput of the settings that finished (amber: marginal)", fontsize=10)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save(fig, path)
