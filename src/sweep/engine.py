@@ -254,7 +254,8 @@ class SweepEngine:
         a process that imports the training stack only to find the files there costs seconds of every sweep."""
         from src import models
 
-        own = [o for o in self.trial_overrides if o.lstrip("+~").startswith(("model.", "paths."))]
+        # a probe that changes the model or the paths (model=..., model.dtype=..., paths.cache_dir=...) is prepared
+        own = [o for o in self.trial_overrides if o.lstrip("+~").split("=")[0].split(".")[0] in ("model", "paths")]
         if not own and models.prepared(self.config.model, self.config.paths.cache_dir):
             return
         log_dir = self.study_dir / "prepare"
