@@ -37,6 +37,14 @@ from omegaconf import DictConfig
 
 from src.config import PROJECT_DIR, compose
 
+# Under `make test`'s workers, each worker's processes (its own torch, its sweeps' trials, the ranks they start) get
+# the worker's share of the cores, as torchrun gives each rank: more threads than cores busy-wait against each other,
+# and a one-slot sweep's trial beside the other worker's tests took 1.6 s a step instead of 0.3. A sweep's CPU slots
+# then take this setting (src/sweep/slots.py: the user's OMP_NUM_THREADS wins).
+_WORKERS = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+if _WORKERS and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(_WORKERS)))
+
 pytest_plugins = ["tests.services"]  # the fixtures postgres, tracking_server, cluster
 
 CONF = PROJECT_DIR / "conf"

@@ -71,6 +71,7 @@ def main(overrides: list[str]) -> None:
             "hydra.sweeper.cpu_slots=1",
             "hydra.sweeper.progress=false",
             "hydra.sweeper.soak_top_k=0",  # stand-in trials: nothing to soak
+            "hydra.sweeper.preload=false",  # ...and no forkserver to start
             "hydra.sweeper.skip_duplicates=false",
             "hydra.sweeper.enqueue_trials=[]",
             "trainer.output_dir=/tmp/unused",

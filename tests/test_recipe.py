@@ -98,7 +98,7 @@ def _fake_sweep(monkeypatch: pytest.MonkeyPatch, study: str, process, space: lis
     monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
     cfg = compose_cfg(
         ["hydra/sweeper=optuna", f"hydra.sweeper.study_name={study}", "hydra.sweeper.cpu_slots=1"]
-        + ["hydra.sweeper.progress=false", "trainer.output_dir=/tmp/unused", *overrides]
+        + ["hydra.sweeper.progress=false", "hydra.sweeper.preload=false", "trainer.output_dir=/tmp/unused", *overrides]
     )
     SweepEngine(cfg, space).run()
     return cfg

@@ -370,7 +370,7 @@ def test_worker_killed_mid_trial_is_failed_by_heartbeat_and_retried(
         "hydra.sweeper.grace_period_s=8",  # a live trial's heartbeat can lag seconds on two loaded cores
         "hydra.sweeper.retry_failed_trials=true",
         "hydra.sweeper.enqueue_trials=[]",
-        "hydra.sweeper.trial_overrides=['trainer.max_steps=24']",  # still training for a while when its worker dies
+        "hydra.sweeper.trial_overrides=['trainer.max_steps=12']",  # still training when its worker dies
     )
     env = worker_env(tmp_path, cache_dir, postgres, tracking_server)
     monkeypatch.setenv("PGPASSWORD", postgres.password)
@@ -565,7 +565,8 @@ def test_scale_out_figures(
         cfg = compose_cfg(
             ["hydra/sweeper=optuna", "sweep=demo", f"hydra.sweeper.study_name={study}", f"hydra.sweeper.n_trials={n}"]
             + ["hydra.sweeper.cpu_slots=1", "hydra.sweeper.progress=false", "hydra.sweeper.skip_duplicates=false"]
-            + ["hydra.sweeper.enqueue_trials=[]", "trainer.output_dir=/tmp/unused", *extra]
+            + ["hydra.sweeper.enqueue_trials=[]", "hydra.sweeper.preload=false", "trainer.output_dir=/tmp/unused"]
+            + list(extra)
         )
         return SweepEngine(cfg, [])
 

@@ -114,7 +114,7 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(
     assert parent.info.status == "FINISHED"
     # Each trial's torch ran on its slot's share of the cores (two CPU slots), forked or fresh: a fork inherits the
     # forkserver's pool, sized for the whole machine, unless the trial resizes it (src/sweep/launcher.py).
-    share = str(max(1, (os.cpu_count() or 1) // 2))
+    share = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))  # conftest may set it
     threads = {scenario: runs[str(t.number)].data.tags.get("torch.num_threads") for scenario, t in seen.items()}
     assert threads["ok"] == share and set(threads.values()) <= {share, None}, threads  # None: refused at compose
     # Each trial's own logs.
@@ -142,22 +142,31 @@ def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) 
         "hydra.sweeper.trial_overrides=['trainer.max_steps=16']",  # long enough to be caught mid-trial
     ]
     env = {**os.environ, "QLORA_ROOT": str(root)}
-    sweep = subprocess.Popen(args, cwd=PROJECT_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = root / "sweep.log"
+    with log.open("w") as out:
+        sweep = subprocess.Popen(args, cwd=PROJECT_DIR, env=env, stdout=out, stderr=subprocess.STDOUT)
     db = root / "sweeps" / "resume" / "optuna.db"
+    seen: list[dict] = []  # the study's states at each look, for the message if the moment never comes
     deadline = time.time() + 240
-    while time.time() < deadline:
-        time.sleep(1)
+    while time.time() < deadline and sweep.poll() is None:
+        time.sleep(0.5)
         if not db.exists():
             continue
         try:
-            states = Counter(t.state for t in _study(root, "resume").get_trials())
+            trials = _study(root, "resume").get_trials()
         except (KeyError, sqlalchemy.exc.OperationalError):  # the file is there before the study's row (or tables)
             continue
-        if states[TrialState.COMPLETE] >= 1 and states[TrialState.RUNNING] >= 1:
+        states = dict(Counter(t.state.name for t in trials))
+        if not seen or seen[-1] != states:
+            seen.append(states)
+        # A trial started after another finished: at the start of its 16 steps, so the kill lands mid-trial (a
+        # trial started with the first one may be writing its result at that moment, and is then told it).
+        first_done = min((t.datetime_complete for t in trials if t.state == TrialState.COMPLETE), default=None)
+        if first_done and [t for t in trials if t.state == TrialState.RUNNING and t.datetime_start > first_done]:
             break
     else:
         sweep.kill()
-        pytest.fail("the sweep never had a finished and a running trial at once")
+        pytest.fail(f"the sweep never had a finished and a running trial at once: {seen}\n{log.read_text()[-3000:]}")
     family = psutil.Process(sweep.pid).children(recursive=True)  # its trials, and the forkserver they were forked from
     sweep.send_signal(signal.SIGKILL)
     sweep.wait()
@@ -213,6 +222,7 @@ def _fake_sweep(
             "hydra.sweeper.cpu_slots=1",
             "hydra.sweeper.progress=false",
             "hydra.sweeper.soak_top_k=0",  # the soak runs real training for minutes: a test of it asks for it
+            "hydra.sweeper.preload=false",  # stand-in trials: no forkserver to start
             *([] if queue_seed else ["hydra.sweeper.enqueue_trials=[]"]),
             "trainer.output_dir=/tmp/unused",
             *overrides,
@@ -411,7 +421,7 @@ def test_memory_monotone_typo_is_refused(root: Path) -> None:
         SweepEngine(cfg, [])
 
 
-def test_trials_sharing_a_gpu_machine_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trials_at_once_share_the_machines_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     from omegaconf import OmegaConf
 
     from src.sweep.slots import discover_slots
@@ -424,8 +434,11 @@ def test_trials_sharing_a_gpu_machine_share_its_cores(monkeypatch: pytest.Monkey
     assert [s.name for s in slots] == ["cuda0#0", "cuda0#1", "cuda0#2", "cuda1#0", "cuda1#1", "cuda1#2"]
     assert {s.env["CUDA_VISIBLE_DEVICES"] for s in slots[:3]} == {"0"}
     assert {s.env["OMP_NUM_THREADS"] for s in slots} == {"2"}, "16 cores over 6 trials at once"
-    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's own setting wins
+    cpu = OmegaConf.merge(sweeper, {"devices": []})
+    assert [s.env["OMP_NUM_THREADS"] for s in discover_slots(cpu)] == ["8", "8"], "16 cores over 2 CPU slots"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's own setting wins, on GPUs and on the CPU
     assert {s.env["OMP_NUM_THREADS"] for s in discover_slots(sweeper)} == {"4"}
+    assert {s.env["OMP_NUM_THREADS"] for s in discover_slots(cpu)} == {"4"}
 
 
 @pytest.mark.parametrize(

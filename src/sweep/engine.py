@@ -50,7 +50,7 @@ from src.study import load as load_sweep
 from src.sweep import recipe, soak
 from src.sweep.checks import SpaceFacts, check_space
 from src.sweep.memory import MemoryGate, predicted_attrs
-from src.sweep.process import Outcome, recorded_outcome, run_process, tail
+from src.sweep.process import Outcome, recorded_outcome, run_process, start_launcher, tail
 from src.sweep.rules import (
     SETTING_FAILURES,
     TOLD,
@@ -192,6 +192,7 @@ class SweepEngine:
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
         stores.check(stores.of_sweep(self.config, self.study_dir))  # before any store is contacted or written
         slots = discover_slots(self.sweeper)  # refuses impossible slot settings before anything is recorded
+        start_launcher(self.sweeper, wait=False)  # the forkserver imports the stack while the checks below run
         self.facts = check_space(self.config, self.distributions)  # the data and each value, once: before anything
         self.memory = MemoryGate(self.config, self.sweeper.memory_model, self.facts.lengths, self.budget)
         study = self.open_study()
@@ -249,6 +250,12 @@ class SweepEngine:
             log.debug("the parent run could not be closed (the next run reopens it)", exc_info=True)
 
     def prepare(self, slot: Slot) -> None:
+        """Before any trial, in the engine's main thread: the model built, and the forkserver that starts trials
+        (hydra.sweeper.preload) started, so that it dies with the engine (src/sweep/tether.py)."""
+        self.build_model(slot)
+        start_launcher(self.sweeper)
+
+    def build_model(self, slot: Slot) -> None:
         """Build the model (random models) and its 4-bit copy once, before any trial: trials then only load it,
         and no trial's peak includes the build. Once built (by an earlier sweep, or a trial), nothing is started:
         a process that imports the training stack only to find the files there costs seconds of every sweep."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from src.trial.handoff import die_with_parent
+from src.trial.handoff import PARENT_ENV, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ DEFAULT_PRELOAD = (
 _TRACKER_QUIET = "ignore:resource_tracker:UserWarning"  # its "There appear to be N leaked semaphore objects" warning
 _lock = threading.Lock()
 _context: Any = None  # the forkserver context once it proved safe, False once it did not
+_spawned = False  # begin() started the forkserver
 
 
 class ForkedTrial:
@@ -79,6 +81,17 @@ class ForkedTrial:
         return self.process.exitcode
 
 
+def begin(preload: list[str]) -> None:
+    """Start the forkserver importing `preload` now, without waiting for it: the engine's own checks run meanwhile
+    (on a CPU the imports take ~10 s). Call it from the engine's main thread: the forkserver dies with the thread
+    that started it (src/sweep/tether.py), and a slot's thread ends before the engine does."""
+    global _spawned
+    with _lock:
+        if _context is None and not _spawned and sys.platform == "linux":
+            _spawn(preload)
+            _spawned = True
+
+
 def forkserver(preload: list[str]) -> Any:
     """The forkserver context with `preload` imported, or None where forking a warm interpreter is unsafe."""
     global _context
@@ -88,10 +101,7 @@ def forkserver(preload: list[str]) -> Any:
         return _context or None
 
 
-def _start(preload: list[str]) -> Any:
-    if sys.platform != "linux":
-        log.warning("hydra.sweeper.preload needs Linux (fork); trials start as fresh interpreters")
-        return False
+def _spawn(preload: list[str]) -> Any:
     # Inherited by the forkserver (and the trials): torch.cuda.is_available() then asks NVML, not the driver.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     # multiprocessing's resource tracker starts with the forkserver and serves the trials forked from it: it removes
@@ -101,9 +111,27 @@ def _start(preload: list[str]) -> Any:
     if _TRACKER_QUIET not in sys.warnoptions:
         sys.warnoptions.append(_TRACKER_QUIET)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))
+    ctx.set_forkserver_preload(["src.sweep.tether", *preload])
+    # Started from the main thread, the forkserver dies with it (src/sweep/tether.py): its lifetime is the engine's.
+    # Started from another thread, it is left to notice the engine's end by itself.
+    tethered = threading.current_thread() is threading.main_thread()
+    if tethered:
+        os.environ[PARENT_ENV] = str(os.getpid())
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if tethered:
+            os.environ.pop(PARENT_ENV)
+    return ctx
+
+
+def _start(preload: list[str]) -> Any:
+    if sys.platform != "linux":
+        log.warning("hydra.sweeper.preload needs Linux (fork); trials start as fresh interpreters")
+        return False
+    ctx = multiprocessing.get_context("forkserver") if _spawned else _spawn(preload)
     probe = ctx.Process(target=_probe, name="preload-probe")
-    probe.start()
+    probe.start()  # once the forkserver has imported `preload`
     probe.join(300)
     if probe.exitcode != 0:
         if probe.exitcode is None:

@@ -150,6 +150,16 @@ def _stopped(log_dir: Path, how: str, progress: dict[str, Any] | None) -> Outcom
     return Outcome("failed", failure=failure, recorded=False, log_dir=log_dir, launcher=how)
 
 
+def start_launcher(sweeper: DictConfig, wait: bool = True) -> None:
+    """The forkserver (`hydra.sweeper.preload`), started by the engine's main thread before any slot's thread asks
+    for it, so that it dies with the engine (src/sweep/tether.py). wait=False: started, importing in the background."""
+    preload = _preload_modules(sweeper.get("preload"))
+    if preload and wait:
+        launcher.forkserver(preload)
+    elif preload:
+        launcher.begin(preload)
+
+
 def _preload_modules(setting: Any) -> list[str]:
     """`hydra.sweeper.preload`: false (fresh interpreters), true (launcher.DEFAULT_PRELOAD) or a module list."""
     if not setting:

@@ -35,8 +35,8 @@ def discover_slots(sweeper: DictConfig) -> list[Slot]:
             f"hydra.sweeper.gpus_per_trial={sweeper.gpus_per_trial} but this machine shows {len(devices)} GPU(s) "
             f"({devices}); lower gpus_per_trial or set hydra.sweeper.devices"
         )
-    if not devices:
-        threads = str(max(1, (os.cpu_count() or 1) // max(1, sweeper.cpu_slots)))
+    if not devices:  # each CPU slot its share of the cores, unless the user set OMP_NUM_THREADS
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // max(1, sweeper.cpu_slots)))
         return [Slot(f"cpu{i}", {"OMP_NUM_THREADS": threads}) for i in range(sweeper.cpu_slots)]
     per = sweeper.gpus_per_trial
     groups = [devices[i : i + per] for i in range(0, len(devices) - per + 1, per)]
