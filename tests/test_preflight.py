@@ -462,3 +462,32 @@ def test_known_bad_combination_is_reported_with_its_source() -> None:
     assert known_bad({"bitsandbytes": "0.46.0"}) == []
     (found,) = known_bad({"bitsandbytes": "0.46.0", "cuda": "12.9"})
     assert found.message.startswith("bnb-no-cuda129-library") and "bitsandbytes>=0.47.0" in found.message
+
+
+def test_the_checks_tokenizer_is_the_one_autotokenizer_loads(root: Path, tmp_path: Path) -> None:
+    """The sweep's checks load the fast tokenizer class that tokenizer_config.json names without AutoTokenizer's
+    detour through the model's config: the same class, the same tokens, the same chat template. A tokenizer
+    config that names another class is still loaded by AutoTokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from src import models
+    from src.preflight.data import tokenizer_class
+
+    cfg = compose_cfg()
+    models.ensure_built(cfg.model)
+    path = Path(cfg.model.path)
+    assert tokenizer_class(path) is PreTrainedTokenizerFast
+    fast, auto = PreTrainedTokenizerFast.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    assert type(fast) is type(auto)
+    chats = [[{"role": "system", "content": PROMPT}, {"role": "user", "content": s}, {"role": "assistant", "content": a}]
+             for s, a in _clean_rows()]  # fmt: skip
+    for chat in chats:
+        assert fast.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
+        text = auto.apply_chat_template(chat, tokenize=False)
+        assert fast(text)["input_ids"] == auto(text)["input_ids"]
+    assert (fast.pad_token, fast.eos_token, fast.bos_token) == (auto.pad_token, auto.eos_token, auto.bos_token)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    (other / "tokenizer.json").write_text((path / "tokenizer.json").read_text())
+    assert tokenizer_class(other) is AutoTokenizer

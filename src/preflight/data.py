@@ -122,13 +122,11 @@ def _check_lengths(cfg: DictConfig, report: Report, df: Any, rows: np.ndarray) -
 def load_tokenizer(cfg: DictConfig) -> Any:
     """The model's own tokenizer, without loading weights (a random model's is built as it would be).
     Kept per model path: building the tiny model's tokenizer trains a BPE, a second each time."""
-    from transformers import AutoTokenizer
-
     path = Path(cfg.model.path)
     if str(path) in _TOKENIZERS:
         return _TOKENIZERS[str(path)]
     if (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = tokenizer_class(path).from_pretrained(path)
     elif cfg.model.build is not None:
         tokenizer = build_tokenizer()
     else:
@@ -138,6 +136,28 @@ def load_tokenizer(cfg: DictConfig) -> Any:
         )
     _TOKENIZERS[str(path)] = tokenizer
     return tokenizer
+
+
+# The classes AutoTokenizer loads from a tokenizer.json alone (transformers 5 names PreTrainedTokenizerFast
+# TokenizersBackend; Llama 3's own files still say PreTrainedTokenizerFast).
+FAST_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def tokenizer_class(path: Path) -> Any:
+    """The class AutoTokenizer would load `path` with. Where tokenizer_config.json names the fast tokenizer over a
+    tokenizer.json (Llama 3, the tiny Llama), that class itself: AutoTokenizer first loads the model's config to
+    learn it, which imports the model's code (~3 s of the sweep's checks on a CPU). Otherwise AutoTokenizer."""
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in FAST_TOKENIZERS and (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def _not_json(text: str) -> bool:
