@@ -6,9 +6,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
+from src import gpus
 from src.failures import FAULT_KINDS
 from src.models import SDPA_BACKENDS, context_length
 from src.preflight.report import Report
@@ -106,18 +106,19 @@ def _check_parallelism(cfg: DictConfig, report: Report) -> None:
         )
     # data_parallel with WORLD_SIZE unset is the trial's parent, which launches the ranks itself
     # (trial.run_data_parallel through torch.distributed.run): nothing to warn about.
-    elif parallelism == "single" and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+    # The visible GPUs from NVML (src/gpus.py), as the sweep's slots count them: the sweep's checks need no torch.
+    elif parallelism == "single" and len(gpus.indices()) > 1:
         report.add(
             "parallelism",
             "warning",
-            f"hardware.parallelism=single with {torch.cuda.device_count()} visible GPUs: only one is used; set "
+            f"hardware.parallelism=single with {len(gpus.indices())} visible GPUs: only one is used; set "
             "hardware.parallelism=model_parallel to split the model, or make one GPU visible (CUDA_VISIBLE_DEVICES)",
         )
-    elif parallelism == "model_parallel" and torch.cuda.is_available() and torch.cuda.device_count() < 2:
+    elif parallelism == "model_parallel" and len(gpus.indices()) == 1:
         report.add(
             "parallelism",
             "warning",
-            f"hardware.parallelism=model_parallel with {torch.cuda.device_count()} visible GPU: nothing to "
+            "hardware.parallelism=model_parallel with 1 visible GPU: nothing to "
             "split; set hardware.parallelism=single (or make more GPUs visible: CUDA_VISIBLE_DEVICES)",
         )
 

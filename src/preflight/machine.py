@@ -8,7 +8,6 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
 from src import gpus, tracking
@@ -18,6 +17,8 @@ from src.preflight.versions import check_versions
 
 def environment(cfg: DictConfig, report: Report) -> None:
     """The machine's facts (the tags every trial carries, and more) and the checks that depend on them."""
+    import torch  # here, not at the top: the sweep's own checks import this package without the training stack
+
     env = report.environment
     env.update(tracking.system_tags())
     env["torch.cuda_build"] = str(torch.version.cuda or "none (CPU build)")
@@ -57,6 +58,8 @@ def environment(cfg: DictConfig, report: Report) -> None:
 def _bnb_native(report: Report) -> str:
     """Which native bitsandbytes library serves this process (a CPU-only or missing library silently breaks
     4-bit on a GPU: bitsandbytes only warns and falls back)."""
+    import torch
+
     try:
         from bitsandbytes import cextension
     except Exception as exc:
@@ -96,6 +99,8 @@ def _installed(dist: str) -> str:
 
 def _version_facts() -> dict[str, str]:
     """Installed versions, plus `python` and (where a GPU is usable) the `cuda` runtime torch uses."""
+    import torch
+
     facts = dict(tracking.versions())
     facts["python"] = platform.python_version()
     if torch.cuda.is_available() and torch.version.cuda:

@@ -32,7 +32,8 @@ from src.trial.handoff import PARENT_ENV, die_with_parent
 log = logging.getLogger(__name__)
 
 # Safe to preload (none creates a CUDA context; src.sweep.warm imports bitsandbytes, peft and trl without one);
-# missing ones are skipped.
+# missing ones are skipped. What those import in turn comes with them: trl's torchvision and sklearn where they are
+# installed (the GPU image), nothing of the kind on a CPU machine, whose trials never import them.
 DEFAULT_PRELOAD = (
     "torch",
     "torch._dynamo",
@@ -43,8 +44,6 @@ DEFAULT_PRELOAD = (
     "mlflow",
     "mlflow.store.tracking.sqlalchemy_store",  # the SQLite store's SQLAlchemy and alembic: ~0.6 s a trial
     "pandas",
-    "sklearn",
-    "torchvision",
     "hydra",
     "src.config",
     "src.redact",
