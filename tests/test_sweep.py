@@ -15,7 +15,6 @@ from pathlib import Path
 import optuna
 import psutil
 import pytest
-import sqlalchemy
 from optuna.trial import TrialState
 
 from src.config import PROJECT_DIR
@@ -150,17 +149,16 @@ def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) 
     log = root / "sweep.log"
     with log.open("w") as out:
         sweep = subprocess.Popen(args, cwd=PROJECT_DIR, env=env, stdout=out, stderr=subprocess.STDOUT)
-    db = root / "sweeps" / "resume" / "optuna.db"
+    # Looked at once a trial's folder exists: the sweep has made Optuna's tables by then. Opening a brand-new
+    # SQLite file as it does so would race it (both create the tables and stamp alembic's version; the sweep lost).
+    trials_dir = root / "sweeps" / "resume" / "trials"
     seen: list[dict] = []  # the study's states at each look, for the message if the moment never comes
     deadline = time.time() + 240
     while time.time() < deadline and sweep.poll() is None:
         time.sleep(0.5)
-        if not db.exists():
+        if not trials_dir.exists():
             continue
-        try:
-            trials = _study(root, "resume").get_trials()
-        except (KeyError, sqlalchemy.exc.OperationalError):  # the file is there before the study's row (or tables)
-            continue
+        trials = _study(root, "resume").get_trials()
         states = dict(Counter(t.state.name for t in trials))
         if not seen or seen[-1] != states:
             seen.append(states)
@@ -175,8 +173,8 @@ def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) 
     family = psutil.Process(sweep.pid).children(recursive=True)  # its trials, and the forkserver they were forked from
     sweep.send_signal(signal.SIGKILL)
     sweep.wait()
-    # They die with it (the forkserver once the engine is gone, a trial with the forkserver: within about a second,
-    # in which a trial at its last step may still write its result); judged once all are gone.
+    # They die with it: the forkserver with the engine's main thread (src/sweep/tether.py), a trial with the
+    # forkserver. A trial at its last step may still have written its result; judged once all are gone.
     assert not psutil.wait_procs(family, timeout=60)[1], "a trial outlived its sweep"
     running = [t.number for t in _study(root, "resume").get_trials() if t.state == TrialState.RUNNING]
     # A trial that had finished and written its result when the sweep died is told what it measured (issue 17.4).
