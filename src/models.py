@@ -70,6 +70,29 @@ def build_tokenizer(vocab_size: int = 2048) -> Any:
     )
 
 
+# The classes AutoTokenizer loads from a tokenizer.json alone (transformers 5 names PreTrainedTokenizerFast
+# TokenizersBackend; Llama 3's own files still say PreTrainedTokenizerFast).
+FAST_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def tokenizer_class(path: Path) -> Any:
+    """The class AutoTokenizer would load `path` with. Where tokenizer_config.json names the fast tokenizer over a
+    tokenizer.json (Llama 3, the tiny Llama), that class itself: AutoTokenizer first loads the model's config to
+    learn it, which imports the model's code (~3 s of the sweep's checks on a CPU). Otherwise AutoTokenizer. The
+    sweep's checks (src/preflight/data.py) and the trial (`load`) both load through it."""
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in FAST_TOKENIZERS and (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
 def build_random_llama(path: Path, arch: dict[str, Any]) -> None:
     """A Llama of the given architecture with random weights, saved at `path` like any checkpoint."""
     import torch
@@ -149,12 +172,12 @@ def device_map(parallelism: str, configured: Any = None) -> dict[str, Any] | str
 def load(cfg: Any) -> tuple[Any, Any]:
     """(4-bit model, tokenizer) for the trial; a cached 4-bit copy is made once and reused."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     mcfg = cfg.model
     ensure_built(mcfg)
     source = Path(mcfg.path)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = tokenizer_class(source).from_pretrained(source)
     if tokenizer.chat_template is None:
         raise ConfigError(f"model.path: the tokenizer in {source} has no chat template; use the Instruct model's.")
     if tokenizer.pad_token is None:

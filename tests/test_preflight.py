@@ -465,13 +465,13 @@ def test_known_bad_combination_is_reported_with_its_source() -> None:
 
 
 def test_the_checks_tokenizer_is_the_one_autotokenizer_loads(root: Path, tmp_path: Path) -> None:
-    """The sweep's checks load the fast tokenizer class that tokenizer_config.json names without AutoTokenizer's
-    detour through the model's config: the same class, the same tokens, the same chat template. A tokenizer
+    """The sweep's checks and the trial load the fast tokenizer class that tokenizer_config.json names without
+    AutoTokenizer's detour through the model's config: the same class, the same tokens, the same chat template. A tokenizer
     config that names another class is still loaded by AutoTokenizer."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from src import models
-    from src.preflight.data import tokenizer_class
+    from src.models import tokenizer_class
 
     cfg = compose_cfg()
     models.ensure_built(cfg.model)

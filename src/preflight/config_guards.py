@@ -93,6 +93,8 @@ def _check_parallelism(cfg: DictConfig, report: Report) -> None:
     elif device_map in _SPREADING_MAPS or (isinstance(device_map, dict) and len(set(device_map.values())) > 1):
         spread_by = f"model.device_map={device_map}"
     data_parallel = "hardware.parallelism=data_parallel" if parallelism == "data_parallel" else None
+    # The visible GPUs from NVML (src/gpus.py), as the sweep's slots count them: the sweep's checks need no torch.
+    visible = len(gpus.indices())
     if world > 1:
         data_parallel = f"a distributed launch (WORLD_SIZE={world}, torchrun / accelerate launch)"
     if spread_by and data_parallel:
@@ -106,15 +108,14 @@ def _check_parallelism(cfg: DictConfig, report: Report) -> None:
         )
     # data_parallel with WORLD_SIZE unset is the trial's parent, which launches the ranks itself
     # (trial.run_data_parallel through torch.distributed.run): nothing to warn about.
-    # The visible GPUs from NVML (src/gpus.py), as the sweep's slots count them: the sweep's checks need no torch.
-    elif parallelism == "single" and len(gpus.indices()) > 1:
+    elif parallelism == "single" and visible > 1:
         report.add(
             "parallelism",
             "warning",
-            f"hardware.parallelism=single with {len(gpus.indices())} visible GPUs: only one is used; set "
+            f"hardware.parallelism=single with {visible} visible GPUs: only one is used; set "
             "hardware.parallelism=model_parallel to split the model, or make one GPU visible (CUDA_VISIBLE_DEVICES)",
         )
-    elif parallelism == "model_parallel" and len(gpus.indices()) == 1:
+    elif parallelism == "model_parallel" and visible == 1:
         report.add(
             "parallelism",
             "warning",

@@ -11,7 +11,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from src.failures import ConfigError
-from src.models import build_tokenizer, context_length
+from src.models import build_tokenizer, context_length, tokenizer_class
 from src.preflight.report import Report
 
 # The checks whose refusal is the data's fault (DataError), not the config's.
@@ -136,28 +136,6 @@ def load_tokenizer(cfg: DictConfig) -> Any:
         )
     _TOKENIZERS[str(path)] = tokenizer
     return tokenizer
-
-
-# The classes AutoTokenizer loads from a tokenizer.json alone (transformers 5 names PreTrainedTokenizerFast
-# TokenizersBackend; Llama 3's own files still say PreTrainedTokenizerFast).
-FAST_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
-
-
-def tokenizer_class(path: Path) -> Any:
-    """The class AutoTokenizer would load `path` with. Where tokenizer_config.json names the fast tokenizer over a
-    tokenizer.json (Llama 3, the tiny Llama), that class itself: AutoTokenizer first loads the model's config to
-    learn it, which imports the model's code (~3 s of the sweep's checks on a CPU). Otherwise AutoTokenizer."""
-    try:
-        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        named = None
-    if named in FAST_TOKENIZERS and (path / "tokenizer.json").exists():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer
 
 
 def _not_json(text: str) -> bool:

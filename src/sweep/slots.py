@@ -35,15 +35,13 @@ def discover_slots(sweeper: DictConfig) -> list[Slot]:
             f"hydra.sweeper.gpus_per_trial={sweeper.gpus_per_trial} but this machine shows {len(devices)} GPU(s) "
             f"({devices}); lower gpus_per_trial or set hydra.sweeper.devices"
         )
-    if not devices:  # each CPU slot its share of the cores, unless the user set OMP_NUM_THREADS
-        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // max(1, sweeper.cpu_slots)))
+    if not devices:
+        threads = _threads(sweeper.cpu_slots)
         return [Slot(f"cpu{i}", {"OMP_NUM_THREADS": threads}) for i in range(sweeper.cpu_slots)]
     per = sweeper.gpus_per_trial
     groups = [devices[i : i + per] for i in range(0, len(devices) - per + 1, per)]
     copies = sweeper.slots_per_gpu if per == 1 else 1
-    # Trials at once share the machine's cores: each gets its share of CPU threads (as torchrun does), so that
-    # five trials starting together do not run 5 x all-cores thread pools (tokenizing, collating, torch's own).
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // max(1, len(groups) * copies)))
+    threads = _threads(len(groups) * copies)
     return [
         Slot(
             f"cuda{','.join(map(str, g))}" + (f"#{c}" if copies > 1 else ""),
@@ -52,3 +50,10 @@ def discover_slots(sweeper: DictConfig) -> list[Slot]:
         for g in groups
         for c in range(copies)
     ]
+
+
+def _threads(at_once: int) -> str:
+    """Each slot's OMP_NUM_THREADS: the user's own setting, else its share of the machine's cores. Trials at once
+    share the cores (as torchrun's ranks do), so that five trials starting together do not run 5 x all-cores thread
+    pools (tokenizing, collating, torch's own)."""
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // max(1, at_once)))
