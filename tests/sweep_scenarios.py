@@ -30,12 +30,3 @@ def rank_follows_length(cfg: Any, trial: Any) -> None:
         trial.suggest_categorical("lora.r", [8, 16])  # long rows: only the rank varies
     else:
         trial.suggest_categorical("trainer.per_device_train_batch_size", [4, 8])  # short rows: the batch
-
-
-# tests/test_optuna_native.py: one measured setting, one that runs out of memory, one refused; a fourth trial can
-# only repeat one of them (a skip).
-NATIVE: dict[str, dict[str, Any]] = {k: SCENARIOS[k] for k in ("ok", "oom", "data_error")}
-
-
-def native_scenarios(cfg: Any, trial: Any) -> dict[str, Any]:
-    return NATIVE[trial.suggest_categorical("scenario", list(NATIVE))]

@@ -90,6 +90,7 @@ def test_a_packed_trial_hands_trl_sequence_boundaries_to_the_kernel(root, mlflow
     done = run_cli(
         "tests.varlen_trial", "trainer=probe", "trainer.max_steps=3", "model.attn_implementation=varlen",
         "trainer.packing=true", "trainer.group_by_length=false", "trainer.per_device_train_batch_size=4",
+        "data.max_seq_length=256",  # 4 packed rows of 256 tokens a step: several sequences in each call, in seconds
         root=root,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

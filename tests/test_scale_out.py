@@ -1,6 +1,6 @@
 """Scale-out on real services: several sweep processes are workers of one study in PostgreSQL and record to one
 `mlflow server` with basic auth; a worker SIGKILLed mid-trial leaves a trial that another worker fails (by its
-heartbeat) and retries; the cluster path submits workers through submitit to a real single-node SLURM.
+heartbeat) and retries. The shared study's workers are submitted through submitit to a real single-node SLURM.
 
 Each test starts what it needs itself (tests/services.py) on 127.0.0.1 and stops it, pass or fail.
 """
@@ -232,16 +232,27 @@ class SharedStudy:
     name: str
     storage: str
     root: Path
-    logs: list[Path]
-    returncodes: list[int]
+    done: subprocess.CompletedProcess  # `python -m src.cluster ... cluster.wait=true`
+    folder: Path  # submitit's: sweeps/<study>/cluster/[<job>/]
+    slurm: bool
     seconds: float
+
+    def logs(self) -> str:
+        """The tail of the submission's output and of each job's log, for a failure's message."""
+        jobs = [f"{f}:\n{f.read_text()[-2000:]}" for f in sorted(self.folder.rglob("*_log.*"))]
+        return "\n".join([self.done.stdout[-2000:], self.done.stderr[-2000:], *jobs])
 
 
 @pytest.fixture(scope="module")
 def shared_study(
-    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path, postgres: Postgres, tracking_server: MlflowServer
+    tmp_path_factory: pytest.TempPathFactory,
+    cache_dir: Path,
+    postgres: Postgres,
+    tracking_server: MlflowServer,
+    cluster: Slurm | None,
 ) -> SharedStudy:
-    """Two sweep processes started at once with the same command on a fresh database: one study of 10 trials."""
+    """Two sweep workers submitted at once by `python -m src.cluster` (a SLURM job array when SLURM runs here, else
+    submitit's local executor), the same command on a fresh database: one study of 10 trials."""
     root = tmp_path_factory.mktemp("shared")
     storage = postgres.create_db("optuna_shared")  # empty: both workers create Optuna's tables at once
     # Four settings for ten trials: repeats are recorded as skipped at once, so asks come fast and often (where
@@ -254,24 +265,23 @@ def shared_study(
         "hydra.sweeper.enqueue_trials=[]",
     ]
     args = sweep_args("shared", storage, 10, tracking_server, *space)
-    env = worker_env(root, cache_dir, postgres, tracking_server)
-    logs = [root / f"worker{i}.log" for i in range(2)]
+    env = {**worker_env(root, cache_dir, postgres, tracking_server), **(cluster.env if cluster else {})}
+    submission = ["cluster=slurm", "cluster.mem_gb=1"] if cluster else ["cluster=local"]
+    submission += ["cluster.workers=2", "cluster.gpus_per_node=0", "cluster.cpus_per_task=1"]
     started = time.time()
-    workers = [start_worker(args, env, log) for log in logs]
-    try:
-        returncodes = [w.wait(timeout=WORKER_S) for w in workers]
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-    return SharedStudy("shared", storage, root, logs, returncodes, time.time() - started)
+    done = run_cli(
+        "src.cluster", *submission, "cluster.timeout_min=15", "cluster.wait=true", *args, root=root, env=env,
+        timeout=WORKER_S,
+    )  # fmt: skip
+    folder = root / "sweeps" / "shared" / "cluster"
+    return SharedStudy("shared", storage, root, done, folder, cluster is not None, time.time() - started)
 
 
 def test_two_workers_share_one_study_of_exactly_n_trials(
     shared_study: SharedStudy, postgres: Postgres, tracking_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = shared_study
-    assert s.returncodes == [0, 0], [log.read_text()[-3000:] for log in s.logs]
+    assert s.done.returncode == 0, s.logs()
     print(f"\ntwo workers, 10 trials: {s.seconds:.0f}s")
     monkeypatch.setenv("PGPASSWORD", postgres.password)
     trials = load_study(s.name, s.storage).get_trials()
@@ -297,6 +307,26 @@ def test_two_workers_share_one_study_of_exactly_n_trials(
     assert "preflight.txt" in {a.path for a in MlflowClient(tracking_server.url).list_artifacts(run_id)}
     assert list(tracking_server.artifacts.rglob(f"{run_id}/artifacts/preflight.txt"))
     assert not (s.root / "mlruns").exists()
+
+
+def test_the_workers_were_submitted_through_submitit(
+    shared_study: SharedStudy, postgres: Postgres, tracking_server: MlflowServer
+) -> None:
+    """`python -m src.cluster` submitted both workers (one SLURM job array when SLURM runs here), waited for them and
+    said how each ended; the pickles submitit wrote and the jobs' logs carry no credential: jobs get them from the
+    environment."""
+    s = shared_study
+    assert s.done.returncode == 0, s.logs()
+    assert s.done.stdout.count("done on") == 2, s.done.stdout
+    results = sorted(p.name for p in s.folder.rglob("*_result.pkl"))
+    assert len(results) == 2
+    if s.slurm:
+        assert results[0].split("_")[0] == results[1].split("_")[0], "one SLURM job array"
+    files = [f for f in s.folder.rglob("*") if f.is_file()]
+    assert [f for f in files if f.name.endswith("_submitted.pkl")], "what submitit pickled is looked at"
+    for f in files:
+        assert postgres.password.encode() not in f.read_bytes()
+        assert tracking_server.env["MLFLOW_TRACKING_PASSWORD"].encode() not in f.read_bytes()
 
 
 def test_tracking_server_refuses_strangers_and_never_stores_a_password(
@@ -432,55 +462,7 @@ def _read(path: Path) -> str:
         return ""
 
 
-# ---- cluster workers -----------------------------------------------------------------------------------------
-
-
-def test_cluster_workers_through_submitit(
-    tmp_path: Path,
-    cache_dir: Path,
-    postgres: Postgres,
-    tracking_server: MlflowServer,
-    cluster: Slurm | None,
-    monkeypatch,
-) -> None:
-    """`python -m src.cluster` submits two sweep workers (a SLURM job array when SLURM runs here); they share
-    the study and the server and stop at n_trials together."""
-    storage = postgres.create_db("optuna_cluster")
-    args = sweep_args("cluster", storage, 2, tracking_server)
-    env = {**worker_env(tmp_path, cache_dir, postgres, tracking_server), **(cluster.env if cluster else {})}
-    submission = ["cluster=slurm", "cluster.mem_gb=1"] if cluster else ["cluster=local"]
-    done = run_cli(
-        "src.cluster",
-        *submission,
-        "cluster.workers=2",
-        "cluster.gpus_per_node=0",
-        "cluster.cpus_per_task=1",
-        "cluster.timeout_min=10",
-        "cluster.wait=true",
-        *args,
-        root=tmp_path,
-        env=env,
-        timeout=WORKER_S,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("done on") == 2, done.stdout
-    folder = tmp_path / "sweeps" / "cluster" / "cluster"  # sweeps/<study>/cluster/[<job>/]
-    results = sorted(p.name for p in folder.rglob("*_result.pkl"))
-    assert len(results) == 2
-    if cluster:
-        assert results[0].split("_")[0] == results[1].split("_")[0], "one SLURM job array"
-    monkeypatch.setenv("PGPASSWORD", postgres.password)
-    trials = load_study("cluster", storage).get_trials()
-    assert len(trials) == 2 and all(t.state == TrialState.COMPLETE for t in trials)
-    assert len({t.user_attrs["worker.pid"] for t in trials}) == 2, "each job ran one of the trials"
-    for k, v in tracking_server.env.items():
-        monkeypatch.setenv(k, v)
-    assert_one_run_per_trial(trials, mlflow_runs(tracking_server, "cluster"))
-    # The submitted pickles and the job logs carry no credential: jobs get them from the environment.
-    for f in folder.rglob("*"):
-        if f.is_file():
-            assert postgres.password.encode() not in f.read_bytes()
-            assert tracking_server.env["MLFLOW_TRACKING_PASSWORD"].encode() not in f.read_bytes()
+# ---- the cluster command ------------------------------------------------------------------------------------
 
 
 def test_cluster_refuses_credentials_on_the_command_line(root: Path) -> None:

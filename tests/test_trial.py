@@ -11,8 +11,10 @@ import numpy as np
 import optuna
 import pytest
 import torch
+import yaml
+from omegaconf import OmegaConf
 
-from src import failures
+from src import failures, tracking
 from src.data import probe_rows
 from src.trial import single
 from tests.conftest import compose_cfg, run_cli
@@ -70,8 +72,8 @@ def test_lora_moves_and_4bit_base_stays_frozen(root: Path) -> None:
     assert sum(float(p.abs().sum()) for p in lora_b) > 0, "LoRA B starts at zero and must have moved"
 
 
-def test_trial_records_every_contract_metric_and_tag(root: Path, mlflow_client) -> None:
-    done = run_cli("src.train", "trainer=probe", "trainer.max_steps=5", "measure.profile_step=4", root=root)
+def test_trial_records_every_contract_metric_and_tag_and_its_composed_config(root: Path, mlflow_client) -> None:
+    done = run_cli("src.train", "trainer=probe", "trainer.max_steps=5", "measure.profile_step=4", "lora.r=8", root=root)
     assert done.returncode == 0, done.stderr[-3000:]
     run = _only_run(mlflow_client)
     m, tags, params = run.data.metrics, run.data.tags, run.data.params
@@ -99,7 +101,7 @@ def test_trial_records_every_contract_metric_and_tag(root: Path, mlflow_client) 
     ):
         assert tags[key]
     assert tags["attention.kernel"] not in ("", "not_profiled")
-    assert params["lora.r"] == "16" and params["data.max_seq_length"] == "1024" and params["model.name"] == "tiny_llama"
+    assert params["lora.r"] == "8" and params["data.max_seq_length"] == "1024" and params["model.name"] == "tiny_llama"
     steps = [x.step for x in mlflow_client.get_metric_history(run.info.run_id, "step_seconds")]
     assert steps == [1, 2, 3, 4, 5]
     result_file = next((root / "sweeps" / "single").glob("*/result.json"))
@@ -119,15 +121,7 @@ def test_trial_records_every_contract_metric_and_tag(root: Path, mlflow_client) 
     profile = mlflow_client.download_artifacts(run.info.run_id, "profile.txt", str(root))
     text = Path(profile).read_text()
     assert text.startswith("Step 4:") and "By family:" in text and "matmul" in text
-
-
-def test_trial_run_holds_its_composed_config(root: Path, mlflow_client) -> None:
-    """Promotion rebuilds a trial from its MLflow run alone: the config Hydra composed travels with the run."""
-    import yaml
-
-    done = run_cli("src.train", "trainer=probe", "trainer.max_steps=2", "measure.warmup_steps=1", "lora.r=8", root=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = _only_run(mlflow_client)
+    # Promotion rebuilds a trial from its MLflow run alone: the config Hydra composed travels with the run.
     logged = {a.path for a in mlflow_client.list_artifacts(run.info.run_id, "config")}
     assert logged == {"config/config.yaml", "config/overrides.yaml", "config/hydra.yaml"}
     config = Path(mlflow_client.download_artifacts(run.info.run_id, "config/config.yaml", str(root)))
@@ -137,8 +131,6 @@ def test_trial_run_holds_its_composed_config(root: Path, mlflow_client) -> None:
 
 
 def test_without_hydras_saved_config_the_run_holds_the_config_unresolved(root: Path, mlflow_client) -> None:
-    import yaml
-
     cfg = compose_cfg(["lora.r=8"])
     client, run_id = single.open_run(cfg)
     single.log_config(client, run_id, cfg, root / "no-hydra-dir")
@@ -190,15 +182,15 @@ def test_compiled_layers_train_the_same_adapter_with_one_graph_for_every_layer(r
 
 def test_sdpa_backends_decide_the_attention_kernel_that_runs(root: Path, mlflow_client) -> None:
     # On a CPU torch picks its flash kernel (flash_cpu); allowing only the math path must show in the tag.
-    done = run_cli(
-        "src.train",
-        "trainer=probe",
-        "trainer.max_steps=3",
-        "model.attn_implementation=sdpa",
-        "model.sdpa_backends=[math]",
-        root=root,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = root / "trial"
+    cfg = compose_cfg(["trainer=probe", "trainer.max_steps=3", "model.attn_implementation=sdpa"])
+    cfg.model.sdpa_backends, cfg.trainer.output_dir = ["math"], str(out)
+    out.mkdir()
+    client, run_id = single.open_run(cfg)  # the trial's training and records, in this process
+    tracking.log_params(client, run_id, tracking.params({"model": OmegaConf.to_container(cfg.model, resolve=True)}))
+    state = {"client": client, "run_id": run_id}
+    single.train(cfg, out, state)
+    assert single.record(cfg, out, state, None)["status"] == "ok"
     run = _only_run(mlflow_client)
     assert run.data.tags["attention.kernel"] == "math"
     assert run.data.params["model.sdpa_backends"] == '["math"]'
