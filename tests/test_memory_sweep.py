@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
+from src import promote
 from src.config import PROJECT_DIR, compose
 from src.fit.calibration import Lengths, vocab_fallback
 from src.fit.model import DEFAULTS, MemoryModel, Setting, peak_batch
@@ -113,25 +114,32 @@ def test_the_report_sets_predictions_against_measurements_and_shows_the_soak(swe
     assert "## Soak" in text and "passed" in text
 
 
-def test_promotion_takes_only_a_soaked_setting_unless_told(swept: tuple[Path, float], tmp_path: Path) -> None:
+def test_promotion_takes_only_a_soaked_setting_unless_told(
+    swept: tuple[Path, float], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     root, _ = swept
     target = tmp_path / "production.yaml"
-    done = run_cli("src.promote", STUDY, "--dry-run", "--experiment-file", str(target), root=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "soak:       passed" in done.stdout
+    monkeypatch.setenv("QLORA_ROOT", str(root))
+
+    def dry_run(*flags: str) -> tuple[int, str, str]:  # python -m src.promote, in this process
+        capsys.readouterr()
+        code = promote.main([STUDY, "--dry-run", *flags, "--experiment-file", str(target)])
+        return code, *capsys.readouterr()
+
+    code, out, err = dry_run()
+    assert code == 0, err[-3000:]
+    assert "soak:       passed" in out
     # The study's soak taken away: nothing promoted, and the flag that would is named
     study = _study(root)
     soak = study.user_attrs[next(k for k in study.user_attrs if k.startswith("soak."))]
     key = next(k for k in study.user_attrs if k.startswith("soak."))
     study.set_user_attr(key, {**soak, "status": "failed", "detail": "oom at step 3"})
     try:
-        refused = run_cli("src.promote", STUDY, "--dry-run", "--experiment-file", str(target), root=root)
-        assert refused.returncode == 1 and "--allow-unsoaked" in refused.stderr and "oom at step 3" in refused.stderr
-        forced = run_cli(
-            "src.promote", STUDY, "--dry-run", "--allow-unsoaked", "--experiment-file", str(target), root=root
-        )
-        assert forced.returncode == 0, forced.stderr[-3000:]
-        assert "soak:       FAILED (oom at step 3) - promoted with --allow-unsoaked" in forced.stdout
+        code, _, err = dry_run()
+        assert code == 1 and "--allow-unsoaked" in err and "oom at step 3" in err
+        code, out, err = dry_run("--allow-unsoaked")
+        assert code == 0, err[-3000:]
+        assert "soak:       FAILED (oom at step 3) - promoted with --allow-unsoaked" in out
     finally:
         study.set_user_attr(key, soak)
     assert json.loads(json.dumps(soak))  # the record is plain JSON (it is also on the study for other tools)

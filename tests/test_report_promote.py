@@ -165,14 +165,29 @@ def test_importances_say_which_knobs_move_the_metrics(swept: Path) -> None:
 # ---- promotion --------------------------------------------------------------------------------------------------------
 
 
+def _main(
+    command: Any, argv: list[str], root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> tuple[int, str, str]:
+    """`python -m src.report|promote ARGV` in this process, from QLORA_ROOT=root: (exit code, stdout, stderr). The
+    commands as a user starts them: the fixture's report and the promotion test."""
+    monkeypatch.setenv("QLORA_ROOT", str(root))
+    capsys.readouterr()
+    code = command(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.mark.slow
-def test_dry_run_changes_nothing(swept: Path, tmp_path: Path) -> None:
+def test_dry_run_changes_nothing(
+    swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     client = _client(swept)
     before = _registry(client)
     target = tmp_path / "production.yaml"
-    done = run_cli("src.promote", STUDY, "--dry-run", "--allow-unsoaked", "--experiment-file", str(target), root=swept)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "would register llama3-qlora version" in done.stdout and "+# @package _global_" in done.stdout
+    argv = [STUDY, "--dry-run", "--allow-unsoaked", "--experiment-file", str(target)]
+    code, out, err = _main(promote.main, argv, swept, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert "would register llama3-qlora version" in out and "+# @package _global_" in out
     assert not target.exists()
     assert _registry(client) == before
 
@@ -216,7 +231,9 @@ def test_promotion_registers_the_best_stable_trial_and_its_settings_compose(swep
 
 
 @pytest.mark.slow
-def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(swept: Path, tmp_path: Path) -> None:
+def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(
+    swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """The study's two stores copied elsewhere, away from its folder (no trial logs, no .hydra/ files, no sweeps/):
     the report and the promotion read everything from the Optuna storage and the trials' MLflow runs, and the
     experiment file still composes what the promoted trial ran."""
@@ -228,22 +245,23 @@ def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(swept
     storage, store = (f"sqlite:///{tmp_path}/elsewhere/{name}.db" for name in ("optuna", "mlflow"))
     where = ["--storage", storage, "--tracking-uri", store]
 
-    shown = run_cli("src.report", STUDY, *where, root=root)
-    assert shown.returncode == 0, shown.stderr[-4000:]
+    code, shown, err = _main(report.main, [STUDY, *where], root, monkeypatch, capsys)
+    assert code == 0, err[-4000:]
     sweep = report.load(STUDY, root / "sweeps", storage=storage, tracking_uri=store)
     assert [{k: r.params[k] for k in SETTINGS[0]} for r in sweep.rows] == SETTINGS
     assert [r.verdict for r in sweep.rows] == [expected(s)[0] for s in SETTINGS]
     best = sweep.best()
-    assert f"best stable: trial {best.number}; promote it: python -m src.promote {STUDY}" in shown.stdout
+    assert f"best stable: trial {best.number}; promote it: python -m src.promote {STUDY}" in shown
 
     conf = tmp_path / "conf"  # a copy of the project's configs, so the repo's conf/ is never written
     shutil.copytree(PROJECT_DIR / "conf", conf)
     target = conf / "experiment" / "production.yaml"
     target.unlink(missing_ok=True)
-    promoted = run_cli("src.promote", STUDY, *where, "--allow-unsoaked", "--experiment-file", str(target), root=root)
-    assert promoted.returncode == 0, promoted.stderr[-4000:]
+    argv = [STUDY, *where, "--allow-unsoaked", "--experiment-file", str(target)]
+    code, promoted, err = _main(promote.main, argv, root, monkeypatch, capsys)
+    assert code == 0, err[-4000:]
     # (this module's promotion test may have promoted the same trial in the store copied here already)
-    assert f"trial {best.number} of study {STUDY}" in promoted.stdout
+    assert f"trial {best.number} of study {STUDY}" in promoted
     assert MlflowClient(store).get_model_version_by_alias("llama3-qlora", "production").run_id == best.run_id
     cfg = compose(["experiment=production"], config_dir=conf)
     for key, value in best.params.items():
@@ -301,11 +319,10 @@ def test_no_qualifying_trial_changes_nothing_and_says_why(
     client = _client(swept)
     before = _registry(client)
     target = tmp_path / "production.yaml"
-    done = run_cli(
-        "src.promote", STUDY, "--margin", "1.5", "--allow-unsoaked", "--experiment-file", str(target), root=swept
-    )
-    assert done.returncode == 1
-    assert "no stable trial: 4 marginal (headroom < 150%), 2 failed (1 oom, 1 segfault)" in done.stderr
+    argv = [STUDY, "--margin", "1.5", "--allow-unsoaked", "--experiment-file", str(target)]
+    code, _, err = _main(promote.main, argv, swept, monkeypatch, capsys)
+    assert code == 1
+    assert "no stable trial: 4 marginal (headroom < 150%), 2 failed (1 oom, 1 segfault)" in err
     assert not target.exists() and _registry(client) == before
 
     # a study where everything failed, in a storage of its own: not even the MLflow store is touched

@@ -228,8 +228,9 @@ def test_trials_start_in_a_session_of_their_own_without_preexec_fn(root: Path, m
 
 @pytest.mark.slow
 def test_a_trial_dies_with_the_engine_thread_that_started_it(root: Path) -> None:
-    """The engine's stand-in starts a real trial (it hangs in training) from a thread, as each slot does, and is
-    killed with SIGKILL: the trial, in its own session, dies too (its parent-death signal, set at its start)."""
+    """The engine's stand-in starts a real trial from a thread, as each slot does, and is killed with SIGKILL once
+    the trial has begun (Hydra has written its config: its parent-death signal is set before that, src/train.py):
+    the trial, in its own session, dies too. Left alone it would never end (it hangs at its first step)."""
     code = (
         "import sys, threading; from pathlib import Path; from omegaconf import OmegaConf;"
         "from src.sweep.process import run_process;"
@@ -240,19 +241,22 @@ def test_a_trial_dies_with_the_engine_thread_that_started_it(root: Path) -> None
     )
     env = {**os.environ, "QLORA_ROOT": str(root)}
     engine = subprocess.Popen([sys.executable, "-c", code, str(root / "trial")], cwd=PROJECT_DIR, env=env)
+    trial = None
     try:
         deadline = time.time() + 300
-        while time.time() < deadline and '"training"' not in _read(root / "trial" / "progress.json"):
+        while time.time() < deadline and not (root / "trial" / ".hydra" / "config.yaml").exists():
             assert engine.poll() is None
-            time.sleep(0.5)
+            time.sleep(0.2)
         trial = psutil.Process(engine.pid).children()[0]
         assert os.getsid(trial.pid) == trial.pid != os.getsid(engine.pid)
         engine.kill()
         engine.wait()
-        trial.wait(timeout=30)  # psutil.TimeoutExpired if it outlived its engine
+        trial.wait(timeout=30)  # psutil.TimeoutExpired if it outlived its engine (killed below)
     finally:
         if engine.poll() is None:
             engine.kill()
+        if trial is not None and trial.is_running():
+            trial.kill()
 
 
 @pytest.mark.parametrize("parent", ["alive", "gone"])

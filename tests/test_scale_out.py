@@ -255,11 +255,10 @@ def shared_study(
     submitit's local executor), the same command on a fresh database: one study of 10 trials."""
     root = tmp_path_factory.mktemp("shared")
     storage = postgres.create_db("optuna_shared")  # empty: both workers create Optuna's tables at once
-    # Four settings for ten trials: repeats are recorded as skipped at once, so asks come fast and often (where
+    # Two settings for ten trials: repeats are recorded as skipped at once, so asks come fast and often (where
     # a race would over-ask), and the suite stays within minutes on two cores.
     space = [
         "data.max_seq_length=choice(192,256)",
-        "lora.r=choice(4,8)",
         "trainer.gradient_accumulation_steps=choice(1)",
         "trainer.group_by_length=choice(true)",
         "hydra.sweeper.enqueue_trials=[]",

@@ -34,10 +34,11 @@ def _runs(client, experiment: str) -> list:
 
 
 # The ways a trial's process ends that the engine reads from the process itself (a clean exit with its result, death
-# by a signal, a hang it kills), which a fresh interpreter must show as a forked trial does; every kind runs forked
-# (the default launcher). A SIGKILL and a SIGSEGV differ only in the signal's number, read by the one classifier
-# both launchers use (src/failures.py), so `killed` runs forked only.
-BY_PROCESS = ("ok", "segfault", "timeout")
+# by a signal), which a fresh interpreter must show as a forked trial does; every kind runs forked (the default
+# launcher). A SIGKILL and a SIGSEGV differ only in the signal's number, read by the one classifier both launchers use
+# (src/failures.py), so `killed` runs forked only; a hang is killed by the one watch loop both launchers share
+# (src/sweep/process.py), shown on a fresh interpreter by test_a_trial_past_its_time_limit_is_killed_as_a_timeout...
+BY_PROCESS = ("ok", "segfault")
 # Forked: one of each way a trial ends, as the engine tells it apart (recorded by the trial: ok, an OOM, a sticky CUDA
 # error re-run with CUDA_LAUNCH_BLOCKING=1; refused: data, config; dead: a signal, SIGKILL; a hang). The other sticky
 # CUDA errors and a NaN loss take the first of those paths with another message: the classifier's table is tested
