@@ -15,6 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from src import failures, tracking
+from src.config import compose
 from src.data import probe_rows
 from src.trial import single
 from tests.conftest import compose_cfg, run_cli
@@ -197,11 +198,13 @@ def test_sdpa_backends_decide_the_attention_kernel_that_runs(root: Path, mlflow_
 
 
 def test_missing_data_file_is_a_clear_data_error(root: Path, mlflow_client) -> None:
-    done = run_cli("src.train", "data.path=/nowhere/seed.xlsx", root=root, timeout=120)
-    assert done.returncode == 1
-    assert "data.path" in done.stderr and "/nowhere/seed.xlsx" in done.stderr
+    # The trial's own path in this process (the next test shows what the command prints when a trial fails).
+    cfg = compose(["data.path=/nowhere/seed.xlsx", f"trainer.output_dir={root / 'trial' / 'trainer'}"])
+    result = single.run(cfg, root / "trial")
+    assert result["status"] == "failed" and result["failure"]["kind"] == "data_error"
+    assert "data.path" in result["failure"]["message"] and "/nowhere/seed.xlsx" in result["failure"]["message"]
     run = _only_run(mlflow_client)
-    assert run.info.status == "FAILED"
+    assert run.info.status == "FAILED" and run.info.run_id == result["run_id"]
     assert run.data.tags["failure.kind"] == "data_error" and run.data.tags["trial.status"] == "failed"
 
 
