@@ -80,21 +80,40 @@ def test_padded_batch_is_unpadded_by_its_mask(models) -> None:
     torch.testing.assert_close(got[keep], want[keep], atol=3e-2, rtol=3e-2)
 
 
-def test_a_packed_trial_hands_trl_sequence_boundaries_to_the_kernel(root, mlflow_client) -> None:
+def test_a_packed_trial_hands_trl_sequence_boundaries_to_the_kernel(root, mlflow_client, monkeypatch) -> None:
     """The whole path (trl's padding-free collator -> Trainer -> peft -> Llama -> our attention, recompute
-    included) with the reference kernel: every call sees several sequences, and the trial trains."""
-    import re
+    included) with the reference kernel standing in for the CUDA-only one, in this process: every call sees
+    several sequences, and the trial trains."""
+    import inspect
 
-    from tests.conftest import run_cli
+    from omegaconf import OmegaConf
 
-    done = run_cli(
-        "tests.varlen_trial", "trainer=probe", "trainer.max_steps=3", "model.attn_implementation=varlen",
-        "trainer.packing=true", "trainer.group_by_length=false", "trainer.per_device_train_batch_size=4",
-        "data.max_seq_length=256",  # 4 packed rows of 256 tokens a step: several sequences in each call, in seconds
-        root=root,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    calls = [tuple(map(int, m)) for m in re.findall(r"varlen: (\d+) tokens in (\d+) sequences", done.stdout)]
+    from src import tracking
+    from src.trial import single
+    from tests.conftest import compose_cfg
+
+    calls: list[tuple[int, int]] = []
+    run = attention._run
+
+    def spy(q, k, v, cu, max_len, scale):  # noqa: ANN001, ANN202
+        calls.append((q.shape[0], cu.numel() - 1))
+        return run(q, k, v, cu, max_len, scale)
+
+    monkeypatch.setattr(attention, "available", lambda: None)
+    monkeypatch.setattr(attention, "_kernel", lambda: (_new, set(inspect.signature(_new).parameters)))
+    monkeypatch.setattr(attention, "_run", spy)
+    out = root / "trial"
+    out.mkdir()
+    cfg = compose_cfg(
+        ["trainer=probe", "trainer.max_steps=3", "model.attn_implementation=varlen", "trainer.packing=true"]
+        + ["trainer.group_by_length=false", "trainer.per_device_train_batch_size=4", f"trainer.output_dir={out}"]
+        + ["data.max_seq_length=256"]  # 4 packed rows of 256 tokens a step: several sequences in each call, in seconds
+    )
+    client, run_id = single.open_run(cfg)
+    tracking.log_params(client, run_id, tracking.params({"model": OmegaConf.to_container(cfg.model, resolve=True)}))
+    state = {"client": client, "run_id": run_id}
+    single.train(cfg, out, state)
+    assert single.record(cfg, out, state, None)["status"] == "ok"
     assert calls and all(n > 1 for _, n in calls), calls[:5]
-    (run,) = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("qlora-trials").experiment_id])
-    assert run.info.status == "FINISHED" and run.data.params["model.attn_implementation"] == "varlen"
+    (logged,) = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("qlora-trials").experiment_id])
+    assert logged.info.status == "FINISHED" and logged.data.params["model.attn_implementation"] == "varlen"

@@ -48,13 +48,15 @@ def test_two_rank_trial_records_per_rank_peaks(root: Path, mlflow_client) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault,kind", [("oom", "oom"), ("kill", "killed")])
-def test_fault_on_rank_1_fails_the_trial_with_its_rank(fault: str, kind: str, root: Path, mlflow_client) -> None:
-    done = run_cli("src.train", *DP, f"fault={fault}", "fault.step=2", "fault.rank=1", root=root)
+def test_fault_on_rank_1_fails_the_trial_with_its_rank(root: Path, mlflow_client) -> None:
+    """Rank 1 is SIGKILLed at step 2: it leaves no record, rank 0 fails on the lost peer and records that first,
+    and only the launcher's report says which rank died how. A rank that records its own failure (an OOM) is the
+    simpler case, read from the ranks' files: the root-cause cases below, from the launcher's own report."""
+    done = run_cli("src.train", *DP, "fault=kill", "fault.step=2", "fault.rank=1", root=root)
     assert done.returncode == 1
     run = _only_run(mlflow_client)
     assert run.info.status == "FAILED"
-    assert run.data.tags["failure.kind"] == kind and run.data.tags["failure.rank"] == "1"
+    assert run.data.tags["failure.kind"] == "killed" and run.data.tags["failure.rank"] == "1"
     assert not _leftovers(root), "every rank of the trial has exited"
 
 
