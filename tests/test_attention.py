@@ -80,7 +80,6 @@ def test_padded_batch_is_unpadded_by_its_mask(models) -> None:
     torch.testing.assert_close(got[keep], want[keep], atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.slow
 def test_a_packed_trial_hands_trl_sequence_boundaries_to_the_kernel(root, mlflow_client, monkeypatch) -> None:
     """The whole path (trl's padding-free collator -> Trainer -> peft -> Llama -> our attention, recompute
     included) with the reference kernel standing in for the CUDA-only one, in this process: every call sees

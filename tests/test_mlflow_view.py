@@ -175,7 +175,6 @@ def _without_plotly(page: str) -> str:
 # ---- the page ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_the_report_page_is_one_file_with_everything_inline_beside_the_study_and_on_the_parent_run(
     viewed: Path,
 ) -> None:
@@ -340,7 +339,6 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180
     raise TimeoutError(f"{url} never answered: {log.read_text()[-3000:]}")
 
 
-@pytest.mark.slow
 def test_make_ui_shows_the_report_page_and_the_saved_view_in_a_browser_under_1_gib(viewed: Path) -> None:
     chromium = _chromium()
     from playwright.sync_api import sync_playwright

@@ -56,7 +56,6 @@ def _assert_told_what_it_measured(root: Path, study: str, client, number: int = 
 # ---- item 4: a measured trial is never turned into `killed` -------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("death", ["sigkill", "sigkill_elsewhere", "sigterm"])
 def test_a_trial_that_recorded_itself_before_its_sweeper_died_is_told_what_it_measured(
     root: Path, mlflow_client, death: str
@@ -91,7 +90,6 @@ def test_a_trial_that_recorded_itself_before_its_sweeper_died_is_told_what_it_me
 # ---- item 7: a full disk ------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_a_full_disk_stops_the_sweep_with_one_line_and_the_resume_keeps_what_was_measured(
     root: Path, mlflow_client
 ) -> None:

@@ -50,7 +50,6 @@ def test_torch_is_left_alone_where_nvml_cannot_answer(monkeypatch: pytest.Monkey
         assert torch.cuda.get_device_capability is original
 
 
-@pytest.mark.slow
 def test_the_preload_imports_the_stack_without_a_cuda_context() -> None:
     assert "src.sweep.warm" in launcher.DEFAULT_PRELOAD
     code = (
