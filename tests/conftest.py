@@ -106,6 +106,28 @@ def run_cli(
     )
 
 
+def run_main(
+    main: Any, argv: list[str], root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> tuple[int, str, str]:
+    """A command's `main(argv)` (`src.report.main`, `src.promote.main`) in this process, from QLORA_ROOT=root:
+    (exit code, stdout, stderr). For tests whose claim is not the command line; others start it (`run_cli`)."""
+    monkeypatch.setenv("QLORA_ROOT", str(root))
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_trial_here(root: Path, overrides: list[str]) -> dict[str, Any]:
+    """One trial (`src.trial.single.run`: preflight, training, its MLflow run and result.json) in this process, in
+    `root`/trial: the command's own path without an interpreter's start-up (~12 CPU-s of imports). Returns the
+    outcome."""
+    from src.trial import single
+
+    out = root / "trial"
+    return single.run(compose([*overrides, f"trainer.output_dir={out / 'trainer'}"]), out)
+
+
 @pytest.fixture(scope="session")
 def empty_store(cache_dir: Path) -> Path:
     """An MLflow SQLite store with nothing in it but its tables, made once per run (under pytest-xdist, once for all

@@ -86,11 +86,7 @@ def test_a_packed_trial_hands_trl_sequence_boundaries_to_the_kernel(root, mlflow
     several sequences, and the trial trains."""
     import inspect
 
-    from omegaconf import OmegaConf
-
-    from src import tracking
-    from src.trial import single
-    from tests.conftest import compose_cfg
+    from tests.conftest import run_trial_here
 
     calls: list[tuple[int, int]] = []
     run = attention._run
@@ -102,18 +98,11 @@ def test_a_packed_trial_hands_trl_sequence_boundaries_to_the_kernel(root, mlflow
     monkeypatch.setattr(attention, "available", lambda: None)
     monkeypatch.setattr(attention, "_kernel", lambda: (_new, set(inspect.signature(_new).parameters)))
     monkeypatch.setattr(attention, "_run", spy)
-    out = root / "trial"
-    out.mkdir()
-    cfg = compose_cfg(
-        ["trainer=probe", "trainer.max_steps=3", "model.attn_implementation=varlen", "trainer.packing=true"]
-        + ["trainer.group_by_length=false", "trainer.per_device_train_batch_size=4", f"trainer.output_dir={out}"]
-        + ["data.max_seq_length=256"]  # 4 packed rows of 256 tokens a step: several sequences in each call, in seconds
-    )
-    client, run_id = single.open_run(cfg)
-    tracking.log_params(client, run_id, tracking.params({"model": OmegaConf.to_container(cfg.model, resolve=True)}))
-    state = {"client": client, "run_id": run_id}
-    single.train(cfg, out, state)
-    assert single.record(cfg, out, state, None)["status"] == "ok"
+    overrides = ["trainer=probe", "trainer.max_steps=3", "model.attn_implementation=varlen", "trainer.packing=true"]
+    overrides += ["trainer.group_by_length=false", "trainer.per_device_train_batch_size=4"]
+    overrides += ["data.max_seq_length=256"]  # 4 packed rows of 256 tokens a step: several sequences in each call
+    result = run_trial_here(root, overrides)
+    assert result["status"] == "ok", result["failure"]
     assert calls and all(n > 1 for _, n in calls), calls[:5]
     (logged,) = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("qlora-trials").experiment_id])
     assert logged.info.status == "FINISHED" and logged.data.params["model.attn_implementation"] == "varlen"

@@ -17,7 +17,7 @@ from src import promote
 from src.config import PROJECT_DIR, compose
 from src.fit.calibration import Lengths, vocab_fallback
 from src.fit.model import DEFAULTS, MemoryModel, Setting, peak_batch
-from tests.conftest import FAST_SWEEP, run_cli
+from tests.conftest import FAST_SWEEP, run_cli, run_main
 
 STUDY = "memory"
 SMALL, LARGE = 1, 8  # per-device batch: eight of the longest rows at once need about eight times the activations
@@ -119,12 +119,11 @@ def test_promotion_takes_only_a_soaked_setting_unless_told(
 ) -> None:
     root, _ = swept
     target = tmp_path / "production.yaml"
-    monkeypatch.setenv("QLORA_ROOT", str(root))
 
-    def dry_run(*flags: str) -> tuple[int, str, str]:  # python -m src.promote, in this process
-        capsys.readouterr()
-        code = promote.main([STUDY, "--dry-run", *flags, "--experiment-file", str(target)])
-        return code, *capsys.readouterr()
+    def dry_run(*flags: str) -> tuple[int, str, str]:
+        return run_main(
+            promote.main, [STUDY, "--dry-run", *flags, "--experiment-file", str(target)], root, monkeypatch, capsys
+        )
 
     code, out, err = dry_run()
     assert code == 0, err[-3000:]

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 from src import promote, report, tracking
 from src.config import PROJECT_DIR, compose
 from src.study import STALE_MESSAGE
-from tests.conftest import FAST_SWEEP, run_cli
+from tests.conftest import FAST_SWEEP, run_cli, run_main
 
 STUDY = "map"
 # Enqueued in this order, so trial number i is SETTINGS[i]; each has the outcome its comment says.
@@ -165,18 +165,6 @@ def test_importances_say_which_knobs_move_the_metrics(swept: Path) -> None:
 # ---- promotion --------------------------------------------------------------------------------------------------------
 
 
-def _main(
-    command: Any, argv: list[str], root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> tuple[int, str, str]:
-    """`python -m src.report|promote ARGV` in this process, from QLORA_ROOT=root: (exit code, stdout, stderr). The
-    commands as a user starts them: the fixture's report and the promotion test."""
-    monkeypatch.setenv("QLORA_ROOT", str(root))
-    capsys.readouterr()
-    code = command(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.slow
 def test_dry_run_changes_nothing(
     swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
@@ -185,7 +173,7 @@ def test_dry_run_changes_nothing(
     before = _registry(client)
     target = tmp_path / "production.yaml"
     argv = [STUDY, "--dry-run", "--allow-unsoaked", "--experiment-file", str(target)]
-    code, out, err = _main(promote.main, argv, swept, monkeypatch, capsys)
+    code, out, err = run_main(promote.main, argv, swept, monkeypatch, capsys)
     assert code == 0, err[-3000:]
     assert "would register llama3-qlora version" in out and "+# @package _global_" in out
     assert not target.exists()
@@ -245,7 +233,7 @@ def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(
     storage, store = (f"sqlite:///{tmp_path}/elsewhere/{name}.db" for name in ("optuna", "mlflow"))
     where = ["--storage", storage, "--tracking-uri", store]
 
-    code, shown, err = _main(report.main, [STUDY, *where], root, monkeypatch, capsys)
+    code, shown, err = run_main(report.main, [STUDY, *where], root, monkeypatch, capsys)
     assert code == 0, err[-4000:]
     sweep = report.load(STUDY, root / "sweeps", storage=storage, tracking_uri=store)
     assert [{k: r.params[k] for k in SETTINGS[0]} for r in sweep.rows] == SETTINGS
@@ -258,7 +246,7 @@ def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(
     target = conf / "experiment" / "production.yaml"
     target.unlink(missing_ok=True)
     argv = [STUDY, *where, "--allow-unsoaked", "--experiment-file", str(target)]
-    code, promoted, err = _main(promote.main, argv, root, monkeypatch, capsys)
+    code, promoted, err = run_main(promote.main, argv, root, monkeypatch, capsys)
     assert code == 0, err[-4000:]
     # (this module's promotion test may have promoted the same trial in the store copied here already)
     assert f"trial {best.number} of study {STUDY}" in promoted
@@ -280,11 +268,11 @@ def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(
 def test_a_setting_that_cuts_answers_is_never_promoted(
     swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setenv("QLORA_ROOT", str(swept))
     before = _registry(_client(swept))
     target = tmp_path / "production.yaml"
-    assert promote.main([STUDY, "--trial", "4", "--experiment-file", str(target)]) == 1
-    err = capsys.readouterr().err
+    argv = [STUDY, "--trial", "4", "--experiment-file", str(target)]
+    code, _, err = run_main(promote.main, argv, swept, monkeypatch, capsys)
+    assert code == 1
     assert "trial 4 cuts" in err and "of the assistant answers at data.max_seq_length=128" in err
     assert "refused above preflight.max_truncated_answer_frac=0" in err
     assert not target.exists() and _registry(_client(swept)) == before
@@ -320,7 +308,7 @@ def test_no_qualifying_trial_changes_nothing_and_says_why(
     before = _registry(client)
     target = tmp_path / "production.yaml"
     argv = [STUDY, "--margin", "1.5", "--allow-unsoaked", "--experiment-file", str(target)]
-    code, _, err = _main(promote.main, argv, swept, monkeypatch, capsys)
+    code, _, err = run_main(promote.main, argv, swept, monkeypatch, capsys)
     assert code == 1
     assert "no stable trial: 4 marginal (headroom < 150%), 2 failed (1 oom, 1 segfault)" in err
     assert not target.exists() and _registry(client) == before
@@ -328,7 +316,6 @@ def test_no_qualifying_trial_changes_nothing_and_says_why(
     # a study where everything failed, in a storage of its own: not even the MLflow store is touched
     storage = f"sqlite:///{tmp_path}/all_failed.db"
     _hand_made(storage, "all_failed", [_trial("oom", 1), _trial("oom", 2), _trial("timeout", 3), _trial("oom", 4)])
-    monkeypatch.setenv("QLORA_ROOT", str(tmp_path))
     mlflow_db = tmp_path / "mlruns" / "mlflow.db"
     argv = [
         "all_failed",
@@ -339,8 +326,8 @@ def test_no_qualifying_trial_changes_nothing_and_says_why(
         "--experiment-file",
         str(target),
     ]
-    assert promote.main(argv) == 1
-    assert "all 4 trials failed: 3 oom, 1 timeout" in capsys.readouterr().err
+    code, _, err = run_main(promote.main, argv, tmp_path, monkeypatch, capsys)
+    assert code == 1 and "all 4 trials failed: 3 oom, 1 timeout" in err
     assert not target.exists() and not mlflow_db.exists()
 
 
@@ -486,9 +473,8 @@ def test_throughput_read_on_a_shared_card_is_flagged_as_a_ranking(tmp_path: Path
 
 @pytest.mark.slow
 def test_unknown_study_lists_the_studies_that_exist(swept: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    monkeypatch.setenv("QLORA_ROOT", str(swept))
-    assert report.main(["no-such-study", "--no-mlflow"]) == 2
-    err = capsys.readouterr().err
+    code, _, err = run_main(report.main, ["no-such-study", "--no-mlflow"], swept, monkeypatch, capsys)
+    assert code == 2
     assert "no study 'no-such-study'" in err and f"studies there (latest first): {STUDY}" in err
 
 

@@ -12,13 +12,11 @@ import optuna
 import pytest
 import torch
 import yaml
-from omegaconf import OmegaConf
 
-from src import failures, tracking
-from src.config import compose
+from src import failures
 from src.data import probe_rows
 from src.trial import single
-from tests.conftest import compose_cfg, run_cli
+from tests.conftest import compose_cfg, run_cli, run_trial_here
 
 CONTRACT_METRICS = {
     "peak_vram_allocated_gib",
@@ -183,15 +181,9 @@ def test_compiled_layers_train_the_same_adapter_with_one_graph_for_every_layer(r
 
 def test_sdpa_backends_decide_the_attention_kernel_that_runs(root: Path, mlflow_client) -> None:
     # On a CPU torch picks its flash kernel (flash_cpu); allowing only the math path must show in the tag.
-    out = root / "trial"
-    cfg = compose_cfg(["trainer=probe", "trainer.max_steps=3", "model.attn_implementation=sdpa"])
-    cfg.model.sdpa_backends, cfg.trainer.output_dir = ["math"], str(out)
-    out.mkdir()
-    client, run_id = single.open_run(cfg)  # the trial's training and records, in this process
-    tracking.log_params(client, run_id, tracking.params({"model": OmegaConf.to_container(cfg.model, resolve=True)}))
-    state = {"client": client, "run_id": run_id}
-    single.train(cfg, out, state)
-    assert single.record(cfg, out, state, None)["status"] == "ok"
+    overrides = ["trainer=probe", "trainer.max_steps=3", "model.attn_implementation=sdpa", "model.sdpa_backends=[math]"]
+    result = run_trial_here(root, overrides)
+    assert result["status"] == "ok", result["failure"]
     run = _only_run(mlflow_client)
     assert run.data.tags["attention.kernel"] == "math"
     assert run.data.params["model.sdpa_backends"] == '["math"]'
@@ -199,8 +191,7 @@ def test_sdpa_backends_decide_the_attention_kernel_that_runs(root: Path, mlflow_
 
 def test_missing_data_file_is_a_clear_data_error(root: Path, mlflow_client) -> None:
     # The trial's own path in this process (the next test shows what the command prints when a trial fails).
-    cfg = compose(["data.path=/nowhere/seed.xlsx", f"trainer.output_dir={root / 'trial' / 'trainer'}"])
-    result = single.run(cfg, root / "trial")
+    result = run_trial_here(root, ["data.path=/nowhere/seed.xlsx"])
     assert result["status"] == "failed" and result["failure"]["kind"] == "data_error"
     assert "data.path" in result["failure"]["message"] and "/nowhere/seed.xlsx" in result["failure"]["message"]
     run = _only_run(mlflow_client)
