@@ -55,6 +55,7 @@ def test_a_trial_past_its_budget_fails_as_oom_with_what_it_held_and_asked_for(ro
     assert done.returncode == 1, done.stderr[-3000:]
     assert "trial failed (oom at step 1)" in done.stderr
     run = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("qlora-trials").experiment_id])[0]
+    assert f"run {run.info.run_id}" in done.stderr and "results: " in done.stderr, "where the failure was recorded"
     m, tags = run.data.metrics, run.data.tags
     assert run.info.status == "FAILED" and tags["failure.kind"] == "oom" and tags["failure.step"] == "1"
     assert "can't allocate memory" in tags["failure.message"]

@@ -5,7 +5,9 @@ timeouts, skipped repeats) and the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import shutil
 from pathlib import Path
 from typing import Any
@@ -73,9 +75,11 @@ def swept(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
         env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    shown = run_cli("src.report", root=root, env=env)  # no study named: the latest (the only one)
-    assert shown.returncode == 0, shown.stderr[-4000:]
-    (root / "report_stdout.txt").write_text(shown.stdout)
+    # The report command's main in this process (tests/test_mlflow_view.py starts it as a user does).
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as shown:
+        mp.setenv("QLORA_ROOT", str(root))
+        assert report.main([]) == 0  # no study named: the latest (the only one)
+    (root / "report_stdout.txt").write_text(shown.getvalue())
     return root
 
 
