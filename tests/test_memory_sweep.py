@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from src import promote
+from src import promote, report
 from src.config import PROJECT_DIR, compose
 from src.fit.calibration import Lengths, vocab_fallback
 from src.fit.model import DEFAULTS, MemoryModel, Setting, peak_batch
@@ -104,10 +104,12 @@ def test_the_best_stable_setting_is_soaked_for_a_whole_epoch(swept: tuple[Path, 
     assert client.get_run(small.user_attrs["mlflow_run_id"]).data.tags["soak.status"] == "passed"
 
 
-def test_the_report_sets_predictions_against_measurements_and_shows_the_soak(swept: tuple[Path, float]) -> None:
+def test_the_report_sets_predictions_against_measurements_and_shows_the_soak(
+    swept: tuple[Path, float], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     root, _ = swept
-    done = run_cli("src.report", STUDY, "--no-mlflow", root=root)
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, _, err = run_main(report.main, [STUDY, "--no-mlflow"], root, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
     text = (root / "sweeps" / STUDY / "report.md").read_text()
     assert "## Memory model: predicted against measured" in text
     assert "predicted oom" in text

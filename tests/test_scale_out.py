@@ -1,6 +1,7 @@
 """Scale-out on real services: several sweep processes are workers of one study in PostgreSQL and record to one
 `mlflow server` with basic auth; a worker SIGKILLed mid-trial leaves a trial that another worker fails (by its
-heartbeat) and retries. The shared study's workers are submitted through submitit to a real single-node SLURM.
+heartbeat) and retries. The shared study's two workers are submitted through submitit to a real single-node SLURM,
+and one of them is the worker killed mid-trial: one study shows both, for the CPU time of one.
 
 Each test starts what it needs itself (tests/services.py) on 127.0.0.1 and stops it, pass or fail.
 """
@@ -11,6 +12,7 @@ import base64
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -224,7 +226,7 @@ def test_a_worker_dead_before_naming_its_run_still_leaves_one_closed_run_per_tri
         )
 
 
-# ---- two workers, one study, one server --------------------------------------------------------------------
+# ---- two workers, one study, one server; one of them dies mid-trial ----------------------------------------
 
 
 @dataclass
@@ -236,11 +238,17 @@ class SharedStudy:
     folder: Path  # submitit's: sweeps/<study>/cluster/[<job>/]
     slurm: bool
     seconds: float
+    killed: int  # the trial whose worker was SIGKILLed while it trained
+    victim: int  # that worker's pid
 
     def logs(self) -> str:
         """The tail of the submission's output and of each job's log, for a failure's message."""
         jobs = [f"{f}:\n{f.read_text()[-2000:]}" for f in sorted(self.folder.rglob("*_log.*"))]
         return "\n".join([self.done.stdout[-2000:], self.done.stderr[-2000:], *jobs])
+
+    def job_logs(self) -> list[str]:
+        """Each job's log (its worker's output and what submitit wrote of its end)."""
+        return [f.read_text() + f.with_suffix(".out").read_text() for f in sorted(self.folder.rglob("*_log.err"))]
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +260,9 @@ def shared_study(
     cluster: Slurm | None,
 ) -> SharedStudy:
     """Two sweep workers submitted at once by `python -m src.cluster` (a SLURM job array when SLURM runs here, else
-    submitit's local executor), the same command on a fresh database: one study of 10 trials."""
+    submitit's local executor), the same command on a fresh database: one study of 10 trials. Once a trial trains,
+    its worker is SIGKILLed, as a node dies: the other worker must fail that trial by its stopped heartbeat, queue
+    its setting again and finish the study."""
     root = tmp_path_factory.mktemp("shared")
     storage = postgres.create_db("optuna_shared")  # empty: both workers create Optuna's tables at once
     # Two settings for ten trials: repeats are recorded as skipped at once, so asks come fast and often (where
@@ -262,34 +272,69 @@ def shared_study(
         "trainer.gradient_accumulation_steps=choice(1)",
         "trainer.group_by_length=choice(true)",
         "hydra.sweeper.enqueue_trials=[]",
+        "hydra.sweeper.heartbeat_interval_s=1",
+        "hydra.sweeper.grace_period_s=8",  # a live trial's heartbeat can lag seconds on two loaded cores
+        "hydra.sweeper.retry_failed_trials=true",
+        "hydra.sweeper.trial_overrides=['trainer.max_steps=12']",  # still training when its worker dies
     ]
     args = sweep_args("shared", storage, 10, tracking_server, *space)
     env = {**worker_env(root, cache_dir, postgres, tracking_server), **(cluster.env if cluster else {})}
     submission = ["cluster=slurm", "cluster.mem_gb=1"] if cluster else ["cluster=local"]
     submission += ["cluster.workers=2", "cluster.gpus_per_node=0", "cluster.cpus_per_task=1"]
+    command = [sys.executable, "-m", "src.cluster", *submission, "cluster.timeout_min=15", "cluster.wait=true", *args]
     started = time.time()
-    done = run_cli(
-        "src.cluster", *submission, "cluster.timeout_min=15", "cluster.wait=true", *args, root=root, env=env,
-        timeout=WORKER_S,
-    )  # fmt: skip
+    out, err = root / "cluster.out", root / "cluster.err"
+    with out.open("w") as o, err.open("w") as e:
+        submit = subprocess.Popen(command, cwd=PROJECT_DIR, env=env, stdout=o, stderr=e)
+    trials_dir = root / "sweeps" / "shared" / "trials"
+    mine = None
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PGPASSWORD", postgres.password)
+            deadline = time.time() + WORKER_S / 2
+            while mine is None and time.time() < deadline and submit.poll() is None:
+                time.sleep(0.5)
+                if not trials_dir.exists():
+                    continue  # no trial yet: the workers may still be making Optuna's tables
+                running = load_study("shared", storage).get_trials(states=(TrialState.RUNNING,))
+                # mid-trial: its process is training
+                mine = next(
+                    (t for t in running if '"training"' in _read(trials_dir / f"{t.number:03d}" / "progress.json")),
+                    None,
+                )
+            assert mine is not None, (out.read_text() + err.read_text())[-3000:]
+            # As if the victim ran on another node: only its stopped heartbeat can tell that it died.
+            store = rdb(storage)
+            mine_id = store.get_trial_id_from_study_id_trial_number(store.get_study_id_from_name("shared"), mine.number)
+            store.set_trial_user_attr(mine_id, "worker.host", "another-node")
+            os.kill(mine.user_attrs["worker.pid"], signal.SIGKILL)
+        submit.wait(timeout=WORKER_S)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    done = subprocess.CompletedProcess(command, submit.returncode, out.read_text(), err.read_text())
     folder = root / "sweeps" / "shared" / "cluster"
-    return SharedStudy("shared", storage, root, done, folder, cluster is not None, time.time() - started)
+    return SharedStudy(
+        "shared", storage, root, done, folder, cluster is not None, time.time() - started, mine.number,
+        mine.user_attrs["worker.pid"],
+    )  # fmt: skip
 
 
 def test_two_workers_share_one_study_of_exactly_n_trials(
     shared_study: SharedStudy, postgres: Postgres, tracking_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = shared_study
-    assert s.done.returncode == 0, s.logs()
-    print(f"\ntwo workers, 10 trials: {s.seconds:.0f}s")
+    print(f"\ntwo workers, 10 trials, one worker killed mid-trial: {s.seconds:.0f}s")
     monkeypatch.setenv("PGPASSWORD", postgres.password)
     trials = load_study(s.name, s.storage).get_trials()
-    assert len(trials) == 10 and sorted(t.number for t in trials) == list(range(10))
+    counted = [t for t in trials if t.number not in retried_numbers(trials)]
+    assert len(counted) == 10 and sorted(t.number for t in trials) == list(range(len(trials))), s.logs()
     assert all(t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED) for t in trials)
     assert all(t.user_attrs["trial.status"] == "skipped" for t in trials if t.state == TrialState.PRUNED)  # repeats
     launched = [t for t in trials if t.user_attrs.get("trial.status") != "skipped"]
-    assert len(launched) >= 2
-    assert all(t.user_attrs["trial.status"] == "ok" for t in launched), [t.user_attrs for t in launched]
+    assert len(launched) >= 3
+    ok = [t for t in launched if t.number != s.killed]
+    assert all(t.user_attrs["trial.status"] == "ok" for t in ok), [t.user_attrs for t in ok]
     # Both processes did the work (each asks as soon as its own slot frees).
     assert len({t.user_attrs["worker.pid"] for t in trials}) == 2
     # Trial logs of distinct numbers never collide, whichever worker ran them.
@@ -300,7 +345,7 @@ def test_two_workers_share_one_study_of_exactly_n_trials(
     runs = mlflow_runs(tracking_server, s.name)
     assert_one_run_per_trial(trials, runs)
     # Artifacts go through the server (--serve-artifacts) into its artifact root, not into a local mlruns/.
-    run_id = launched[0].user_attrs["mlflow_run_id"]
+    run_id = ok[0].user_attrs["mlflow_run_id"]
     from mlflow.tracking import MlflowClient
 
     assert "preflight.txt" in {a.path for a in MlflowClient(tracking_server.url).list_artifacts(run_id)}
@@ -308,15 +353,47 @@ def test_two_workers_share_one_study_of_exactly_n_trials(
     assert not (s.root / "mlruns").exists()
 
 
+def test_a_worker_killed_mid_trial_is_failed_by_heartbeat_and_its_setting_retried(
+    shared_study: SharedStudy, postgres: Postgres, tracking_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its stopped heartbeat seen by the other worker, its records saying it did not finish: failed as killed, its
+    MLflow run KILLED, its setting queued again once and told (run again, or a repeat of the same setting measured
+    meanwhile by the other worker: Optuna asks a setting again while it is still running elsewhere)."""
+    s = shared_study
+    monkeypatch.setenv("PGPASSWORD", postgres.password)
+    trials = load_study(s.name, s.storage).get_trials()
+    killed = trials[s.killed]
+    assert killed.state == TrialState.FAIL and failure_kind(killed) == "killed", killed.user_attrs
+    assert retried_numbers(trials) == {s.killed}
+    (retry,) = [t for t in trials if t.user_attrs.get("retry_of") == s.killed]
+    assert retry.params == killed.params and retry.user_attrs["worker.pid"] != s.victim
+    print(f"\ntrial {s.killed} killed mid-trial; its retry, trial {retry.number}: {retry.state.name}")
+    if retry.state == TrialState.PRUNED:
+        twin = int(re.search(r"as trial (\d+)", retry.user_attrs["skipped.reason"]).group(1))
+        assert trials[twin].state == TrialState.COMPLETE and trials[twin].params == killed.params
+    else:
+        assert retry.state == TrialState.COMPLETE and retry.user_attrs["trial.status"] == "ok"
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    (survivor,) = [text for text in s.job_logs() if "the sweep worker exited with -9" not in text]
+    assert f"trial {s.killed} was left running by a dead worker: failed (killed)" in survivor, s.logs()
+
+    for k, v in tracking_server.env.items():
+        monkeypatch.setenv(k, v)
+    run = next(r for r in mlflow_runs(tracking_server, s.name) if r.info.run_id == killed.user_attrs["mlflow_run_id"])
+    assert run.info.status == "KILLED" and run.data.tags["failure.kind"] == "killed"
+
+
 def test_the_workers_were_submitted_through_submitit(
     shared_study: SharedStudy, postgres: Postgres, tracking_server: MlflowServer
 ) -> None:
     """`python -m src.cluster` submitted both workers (one SLURM job array when SLURM runs here), waited for them and
-    said how each ended; the pickles submitit wrote and the jobs' logs carry no credential: jobs get them from the
-    environment."""
+    said how each ended: one done, the killed one failed with its exit status; the pickles submitit wrote and the
+    jobs' logs carry no credential: jobs get them from the environment."""
     s = shared_study
-    assert s.done.returncode == 0, s.logs()
-    assert s.done.stdout.count("done on") == 2, s.done.stdout
+    assert s.done.returncode == 1, s.logs()
+    assert s.done.stdout.count("done on") == 1, s.done.stdout
+    (failed,) = [line for line in s.done.stderr.splitlines() if ": failed: " in line]
+    assert "the sweep worker exited with -9" in s.done.stderr, s.done.stderr[-3000:]
     results = sorted(p.name for p in s.folder.rglob("*_result.pkl"))
     assert len(results) == 2
     if s.slurm:
@@ -380,78 +457,6 @@ def test_tracking_server_refuses_strangers_and_never_stores_a_password(
     for what, secret in secrets.items():
         assert not [name for name, text in texts.items() if secret in text], what
         assert not [str(f) for f in scanned if secret.encode() in f.read_bytes()], what
-
-
-# ---- a worker dies mid-trial ---------------------------------------------------------------------------------
-
-
-def test_worker_killed_mid_trial_is_failed_by_heartbeat_and_retried(
-    tmp_path: Path, cache_dir: Path, postgres: Postgres, tracking_server: MlflowServer, monkeypatch
-) -> None:
-    storage = postgres.create_db("optuna_kill")
-    study_name = "kill"
-    args = sweep_args(
-        study_name,
-        storage,
-        2,
-        tracking_server,
-        "hydra.sweeper.heartbeat_interval_s=1",
-        "hydra.sweeper.grace_period_s=8",  # a live trial's heartbeat can lag seconds on two loaded cores
-        "hydra.sweeper.retry_failed_trials=true",
-        "hydra.sweeper.enqueue_trials=[]",
-        "hydra.sweeper.trial_overrides=['trainer.max_steps=12']",  # still training when its worker dies
-    )
-    env = worker_env(tmp_path, cache_dir, postgres, tracking_server)
-    monkeypatch.setenv("PGPASSWORD", postgres.password)
-    rdb(storage)  # Optuna's tables are made here, before the workers start: the poll below never races them
-    victim = start_worker(args, env, tmp_path / "victim.log")
-    survivor = start_worker(args, env, tmp_path / "survivor.log")
-    try:
-        deadline = time.time() + WORKER_S / 2
-        mine = None
-        while mine is None and time.time() < deadline:
-            time.sleep(0.5)
-            try:
-                study = load_study(study_name, storage)
-            except KeyError:
-                continue  # not created yet
-            running = study.get_trials(states=(TrialState.RUNNING,))
-            mine = next((t for t in running if t.user_attrs.get("worker.pid") == victim.pid), None)
-            # mid-trial: its process is training
-            if mine and '"training"' not in _read(
-                tmp_path / "sweeps" / study_name / "trials" / f"{mine.number:03d}" / "progress.json"
-            ):
-                mine = None
-        assert mine is not None, (tmp_path / "victim.log").read_text()[-3000:]
-        # As if the victim ran on another node: only its stopped heartbeat can tell that it died.
-        store = rdb(storage)
-        mine_id = store.get_trial_id_from_study_id_trial_number(store.get_study_id_from_name(study_name), mine.number)
-        store.set_trial_user_attr(mine_id, "worker.host", "another-node")
-        victim.send_signal(signal.SIGKILL)
-        victim.wait()
-        assert survivor.wait(timeout=WORKER_S) == 0, (tmp_path / "survivor.log").read_text()[-3000:]
-    finally:
-        for w in (victim, survivor):
-            if w.poll() is None:
-                w.kill()
-
-    trials = load_study(study_name, storage).get_trials()
-    killed = trials[mine.number]
-    # Its stopped heartbeat seen, its records say it did not finish: failed as killed, its setting queued again.
-    assert killed.state == TrialState.FAIL and failure_kind(killed) == "killed"
-    assert retried_numbers(trials) == {mine.number}
-    retry = [t for t in trials if t.user_attrs.get("retry_of") == mine.number]
-    assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == killed.params
-    counted = [t for t in trials if t.number not in retried_numbers(trials)]
-    assert len(counted) == 2 and not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-    assert "failed (killed)" in (tmp_path / "survivor.log").read_text()
-
-    for k, v in tracking_server.env.items():
-        monkeypatch.setenv(k, v)
-    runs = mlflow_runs(tracking_server, study_name)
-    assert_one_run_per_trial(trials, runs)
-    run = next(r for r in runs if r.info.run_id == killed.user_attrs["mlflow_run_id"])
-    assert run.info.status == "KILLED" and run.data.tags["failure.kind"] == "killed"
 
 
 def _read(path: Path) -> str:
