@@ -169,12 +169,53 @@ def device_map(parallelism: str, configured: Any = None) -> dict[str, Any] | str
     return {"": torch.cuda.current_device()}
 
 
-def load(cfg: Any) -> tuple[Any, Any]:
-    """(4-bit model, tokenizer) for the trial; a cached 4-bit copy is made once and reused."""
+def prepare_apart(cfg: Any) -> bool:
+    """Build the random model and the cached 4-bit copy in a process of their own when they are not there yet, so
+    that what building takes (the 8B's 16 GB of bf16 weights made on the GPU, a full-precision load to quantize)
+    never counts in the memory of the trial that asked. Says so in one line; True when it built."""
+    import multiprocessing
+    import sys
+
+    mcfg = cfg.model
+    if prepared(mcfg, cfg.paths.cache_dir) or (mcfg.build is None and not Path(mcfg.path).exists()):
+        return False  # nothing to build, or nothing it could build from (load's own check names the key)
+    what = "the random model and its 4-bit copy" if mcfg.build is not None else "the 4-bit copy"
+    print(
+        f"model {mcfg.name}: building {what} in a process of its own (once per cache; not counted in this "
+        "trial's memory)",
+        file=sys.stderr,
+        flush=True,
+    )
+    child = multiprocessing.get_context("spawn").Process(
+        target=_prepare, args=(OmegaConf.to_container(cfg, resolve=True),), name="model-build"
+    )
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(
+            f"building model {mcfg.name} failed in its own process (exit {child.exitcode}); "
+            f"python -m src.models model={mcfg.name} shows why"
+        )
+    return True
+
+
+def _prepare(container: dict[str, Any]) -> None:
+    cfg = OmegaConf.create(container)
+    ensure_built(cfg.model)
+    if cfg.model.cache_quantized:
+        model, _ = load(cfg, apart=False)
+        del model
+
+
+def load(cfg: Any, apart: bool = True) -> tuple[Any, Any]:
+    """(4-bit model, tokenizer) for the trial; a cached 4-bit copy is made once and reused. `apart`: what must be
+    built first is built in a process of its own (`prepare_apart`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     mcfg = cfg.model
+    if apart:
+        prepare_apart(cfg)
     ensure_built(mcfg)
     source = Path(mcfg.path)
     tokenizer = tokenizer_class(source).from_pretrained(source)
