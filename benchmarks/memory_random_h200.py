@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> None:
     with ThreadPoolExecutor(args.slots) as pool:
         for row in pool.map(one, todo):
             rows.append(row)
-            (out / "memory_random_raw.json").write_text(json.dumps(_raw(rows, t0, args), indent=1))
+            (out / f"memory_random_raw{args.tag}.json").write_text(json.dumps(_raw(rows, t0, args), indent=1))
     print(f"done: {len(rows)} trials in {(time.time() - t0) / 60:.1f} min", flush=True)
 
 
@@ -233,6 +233,8 @@ def _raw(rows: list[dict[str, Any]], t0: float, args: argparse.Namespace) -> dic
         "slots": args.slots,
         "probe": PROBE,
         "budget_gib": BUDGET,
+        # the caching allocator's settings the trials ran under (expandable_segments changes fragmentation)
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "versions": versions(),
         "gpu": _gpu(),
         "wall_min": (time.time() - t0) / 60,
@@ -382,6 +384,7 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("--slots", type=int, default=5)
     r.add_argument("--trial-timeout-s", type=float, default=240)
+    r.add_argument("--tag", default="", help="suffix of the raw file's name (memory_random_raw<tag>.json)")
     s = sub.add_parser("summarize")
     s.add_argument("raw", type=Path)
     args = p.parse_args()

@@ -5,6 +5,8 @@
 #   here, first:  python -m benchmarks.memory_random_h200 design    (its file is committed)
 #   device run (carry .whl, see gpu_wheels.sh):  WAIT=570 bash benchmarks/memory_random_h200.sh [run options]
 #   then, at once:                               WAIT=570 bash benchmarks/memory_random_h200.sh collect
+#   the same with the allocator's expandable segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WAIT=570 \
+#     bash benchmarks/memory_random_h200.sh --tag _expandable
 #   here, after:  python -m benchmarks.memory_random_h200 summarize <files_at>/memory_random_raw.json
 set -uo pipefail
 SRC=${SRC:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -23,7 +25,7 @@ if [ "${1:-}" != collect ]; then
 fi
 for _ in $(seq 1 "${WAIT:-570}"); do [ -f "$COPY/done" ] && break; sleep 1; done
 if [ -n "${OUT:-}" ]; then
-  cp "$COPY/run.log" "$QLORA_ROOT/memory_random_raw.json" "$OUT"/ 2>/dev/null
+  cp "$COPY/run.log" "$QLORA_ROOT"/memory_random_raw*.json "$OUT"/ 2>/dev/null
   tar czf "$OUT/logs.tgz" -C "$QLORA_ROOT" --exclude='*.db' --exclude='*adapter*' --exclude='*.safetensors' \
     $(cd "$QLORA_ROOT" && ls -d build.log calibration*.log held_out*.log 2>/dev/null) 2>/dev/null
 fi
