@@ -320,3 +320,33 @@ def test_a_trial_whose_worker_died_right_after_asking_is_failed_once_the_grace_p
     time.sleep(1.2)
     impatient.recover(impatient.open(["maximize"], {}, ["tokens_per_s"]))
     assert study.trials[trial.number].state == optuna.trial.TrialState.FAIL
+
+
+def test_a_live_worker_is_never_judged_dead_from_its_clocks_rounding(monkeypatch):
+    """Issue 30 finding 12: a process's epoch start time is the kernel's boot time (whole seconds, re-derived from
+    the wall clock) plus its start in ticks, so two reads of one live worker can differ by a whole second. The
+    worker's trial was failed as left by a dead worker while it ran. Read a second apart, it is still alive."""
+    from src.sweep import storage
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for pid in (os.getpid(), other.pid):
+            recorded = storage.worker_identity(pid)
+            real = storage.create_time
+
+            def read_a_second_later(p, since_boot=False, real=real):
+                value = real(p, since_boot)
+                return value if since_boot or value is None else value + 1.0
+
+            monkeypatch.setattr(storage, "create_time", read_a_second_later)
+            assert storage._alive(
+                recorded["worker.pid"], recorded["worker.started"], recorded["worker.started_since_boot"]
+            )
+            # a record of an older worker (no ticks): the same process, a second off, is still alive
+            assert storage._alive(pid, recorded["worker.started"])
+            monkeypatch.setattr(storage, "create_time", real)
+        ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        assert not storage._alive(int(ended.stdout), recorded["worker.started"], recorded["worker.started_since_boot"])
+    finally:
+        other.kill()
+        other.wait()

@@ -64,7 +64,7 @@ from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
 from src.sweep.space import outside_space, refuse_credentials, split_arguments
 from src.sweep.stop import RESUME, on_signals, stopping, store_trouble
-from src.sweep.storage import DEAD_WORKER, StudyStore, create_time
+from src.sweep.storage import DEAD_WORKER, StudyStore, worker_identity
 from src.sweep.tally import Tally
 from src.trial.handoff import RUN_ENV, TRIAL_ENV
 
@@ -345,8 +345,8 @@ class SweepEngine:
                 if not full:
                     trial = study.ask(self.distributions)
                     trial.set_user_attr("worker.host", self.host)
-                    trial.set_user_attr("worker.pid", os.getpid())
-                    trial.set_user_attr("worker.started", create_time(os.getpid()))
+                    for key, value in worker_identity(os.getpid()).items():
+                        trial.set_user_attr(key, value)
                     # A first heartbeat at once: a trial without one is never stale, so a worker dying
                     # before its first beat would leave it running for ever.
                     self.store.heartbeat(trial.number)

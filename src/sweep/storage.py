@@ -212,7 +212,14 @@ class StudyStore:
             dead = (
                 t.number in stale
                 or orphan
-                or (here and not _alive(t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started")))
+                or (
+                    here
+                    and not _alive(
+                        t.user_attrs.get("worker.pid"),
+                        t.user_attrs.get("worker.started"),
+                        t.user_attrs.get("worker.started_since_boot"),
+                    )
+                )
             )
             if not dead or self.from_records(study, t):
                 continue
@@ -257,13 +264,28 @@ def lock_key(study_name: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-def create_time(pid: int) -> float | None:
+def create_time(pid: int, since_boot: bool = False) -> float | None:
+    """When process `pid` started: seconds since the epoch, or (`since_boot`) since the machine booted. The epoch
+    figure is the kernel's boot time (whole seconds, re-derived from the wall clock on each read) plus the process's
+    start in clock ticks since boot, so two reads of one process may differ by a second; the since-boot figure is
+    the ticks alone and never moves."""
     try:
         import psutil
 
-        return psutil.Process(pid).create_time()
+        return (
+            psutil.Process(pid).create_time(monotonic=since_boot) if since_boot else psutil.Process(pid).create_time()
+        )
     except Exception:
         return None
+
+
+def worker_identity(pid: int) -> dict[str, Any]:
+    """What a worker records on the trials it runs, so that a worker on the same host can tell whether it lives."""
+    return {
+        "worker.pid": pid,
+        "worker.started": create_time(pid),
+        "worker.started_since_boot": create_time(pid, since_boot=True),
+    }
 
 
 def _older_than(started: Any, seconds: float) -> bool:
@@ -271,8 +293,22 @@ def _older_than(started: Any, seconds: float) -> bool:
     return started is not None and (datetime.now() - started).total_seconds() > float(seconds)
 
 
-def _alive(pid: int | None, started: float | None) -> bool:
+# An epoch start time read twice of one process differs by up to a second (create_time); a reused pid's process
+# started later than that by far (the pid space wraps around first).
+_EPOCH_SLACK_S = 2.0
+
+
+def _alive(pid: int | None, started: float | None, since_boot: float | None = None) -> bool:
+    """Whether the worker process `pid` that recorded these start times still runs (on this host): the same process
+    when its start, in clock ticks since boot, is the one recorded. Older records hold only the epoch figure, read
+    with a second's rounding either way: this process is then alive by definition, another within the slack."""
     if pid is None:
         return False
+    if since_boot is not None:
+        ticks = create_time(int(pid), since_boot=True)
+        if ticks is not None:
+            return abs(ticks - float(since_boot)) < 0.05
+    if int(pid) == os.getpid():
+        return True
     created = create_time(int(pid))
-    return created is not None and (started is None or abs(created - started) < 1.0)
+    return created is not None and (started is None or abs(created - float(started)) < _EPOCH_SLACK_S)
