@@ -41,9 +41,10 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from src import quiet, stores, tracking
+from src import quiet, record, stores, tracking
 from src.config import override_value
 from src.failures import STICKY_CUDA, first_line
+from src.record import DEAD_WORKER
 from src.redact import redact_text
 from src.study import classify
 from src.study import load as load_sweep
@@ -64,7 +65,7 @@ from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
 from src.sweep.space import outside_space, refuse_credentials, split_arguments
 from src.sweep.stop import RESUME, on_signals, stopping, store_trouble
-from src.sweep.storage import DEAD_WORKER, StudyStore, worker_identity
+from src.sweep.storage import StudyStore, worker_identity
 from src.sweep.tally import Tally
 from src.trial.handoff import RUN_ENV, TRIAL_ENV
 
@@ -130,8 +131,8 @@ class SweepEngine:
         tags["sweep.trial_overrides"] = json.dumps(self.trial_overrides)
         tags["sweep.max_truncated_answer_frac"] = json.dumps(self.truncation_policy)
         tags["sweep.truncation"] = json.dumps(self.facts.truncation)
-        parent = self.runs.open_parent(study.user_attrs.get("mlflow_parent_run_id"), tags)
-        study.set_user_attr("mlflow_parent_run_id", parent)
+        parent = self.runs.open_parent(study.user_attrs.get(record.PARENT_RUN_ID), tags)
+        study.set_user_attr(record.PARENT_RUN_ID, parent)
 
     def close_dead_run(self, study: optuna.Study, trial: FrozenTrial) -> str | None:
         return self.runs.close_dead(trial, DEAD_WORKER) if self.runs else None
@@ -139,24 +140,17 @@ class SweepEngine:
     def tell_from_records(self, study: optuna.Study, trial: FrozenTrial) -> bool:
         """A trial whose worker died before telling Optuna: told what its own records say it measured, if they say
         it finished (its result.json in its folder, else its MLflow run, which a worker on any host can read)."""
-        run_id = trial.user_attrs.get("mlflow_run_id")
+        run_id = trial.user_attrs.get(record.RUN_ID)
         if run_id is None or self.runs is None:
             return False  # it never got as far as its own run: it did not finish
         # A live handle on the running trial, as Study.optimize makes one (the constructor Optuna advises against
         # calling directly is the one that takes an existing trial).
         live = optuna.Trial(study, self.store.trial_id(trial.number))
-        because = trial.user_attrs.get("skipped.because_of")
-        if because is not None or "skip.reason" in trial.user_attrs:  # a skip, decided before its worker died
-            self.skip(
-                study,
-                live,
-                run_id,
-                trial.user_attrs.get("skip.reason", "repeat"),
-                trial.user_attrs.get("skipped.reason", ""),
-                original=self.store.get(int(because)) if because is not None else None,
-                record=recorded_constraints(trial),
-                failure_kind=trial.user_attrs.get("failure.kind"),
-            )
+        skipped = record.skip_of(trial.user_attrs)
+        if skipped is not None:  # a skip, decided before its worker died
+            why, reason, because, kind = skipped
+            original = self.store.get(because) if because is not None else None
+            self.skip(study, live, run_id, why, reason, original, recorded_constraints(trial), kind)
             return True
         log_dir = self.study_dir / "trials" / f"{trial.number:03d}"
         outcome = recorded_outcome(log_dir, run_id) or self.runs.recorded(run_id)
@@ -299,7 +293,7 @@ class SweepEngine:
                 )
                 continue
             # The first queued setting is the user's recipe: the report answers what to change in it.
-            study.enqueue_trial(params, skip_if_exists=True, user_attrs={recipe.RECIPE: True} if i == 0 else None)
+            study.enqueue_trial(params, skip_if_exists=True, user_attrs={record.RECIPE: True} if i == 0 else None)
         self.enqueue_edge_first(study)
 
     def enqueue_edge_first(self, study: optuna.Study) -> None:
@@ -344,7 +338,7 @@ class SweepEngine:
                     return
                 if not full:
                     trial = study.ask(self.distributions)
-                    trial.set_user_attr("worker.host", self.host)
+                    trial.set_user_attr(record.WORKER_HOST, self.host)
                     for key, value in worker_identity(os.getpid()).items():
                         trial.set_user_attr(key, value)
                     # A first heartbeat at once: a trial without one is never stale, so a worker dying
@@ -368,11 +362,10 @@ class SweepEngine:
         if frozen.state.is_finished():
             return  # another worker took it for dead and failed it meanwhile
         message = redact_text(first_line(str(exc)))
-        self.store.set_attrs(trial.number, {"failure.kind": "other", "failure.message": message})
-        if not self.runs.close_errored(frozen.user_attrs.get("mlflow_run_id"), message):
-            log.warning(
-                "trial %d: its MLflow run %s could not be closed", trial.number, frozen.user_attrs.get("mlflow_run_id")
-            )
+        self.store.set_attrs(trial.number, record.failure_fields({"kind": "other", "message": message}))
+        run_id = frozen.user_attrs.get(record.RUN_ID)
+        if not self.runs.close_errored(run_id, message):
+            log.warning("trial %d: its MLflow run %s could not be closed", trial.number, run_id)
         _tell(study, trial, state=TrialState.FAIL)
 
     # -- one trial --
@@ -385,8 +378,8 @@ class SweepEngine:
             extra = {k: v for k, v in trial.params.items() if k not in self.distributions}
         params = {**{k: v for k, v in trial.params.items() if k in self.distributions}, **extra}
         run_id = self.runs.child(trial.number, slot.name, params)
-        trial.set_user_attr("mlflow_run_id", run_id)
-        trial.set_user_attr("sweep.slot", slot.name)
+        trial.set_user_attr(record.RUN_ID, run_id)
+        trial.set_user_attr(record.SLOT, slot.name)
         self.record_truncation(trial, params, run_id)
         original = self.rules.finished_twin(study, trial) if self.sweeper.skip_duplicates else None
         if original is not None:
@@ -424,13 +417,13 @@ class SweepEngine:
         run where the process could not."""
         heartbeat = lambda: self.store.heartbeat(number)  # noqa: E731
         outcome = run_process(overrides, log_dir, env, self.sweeper, heartbeat)
-        tracking.set_tags(self.runs.client, run_id, {"trial.launcher": outcome.launcher})
+        tracking.set_tags(self.runs.client, run_id, {record.LAUNCHER: outcome.launcher})
         if outcome.failure and outcome.failure["kind"] in STICKY_CUDA and self.sweeper.launch_blocking_rerun:
             outcome = self.rerun_launch_blocking(overrides, log_dir, env, run_id, outcome, heartbeat)
         if not outcome.recorded:
             tracking.log_text(self.runs.client, run_id, tail(log_dir / "stderr.log"), "stderr_tail.txt")
             tracking.log_metrics(self.runs.client, run_id, {**outcome.metrics, "vram_budget_gib": self.budget})
-            status = "KILLED" if outcome.failure["kind"] in ("killed", "timeout") else "FAILED"
+            status = "KILLED" if outcome.failure["kind"] in record.KILLED_KINDS else "FAILED"
             tracking.close_failed(self.runs.client, run_id, outcome.failure, status=status)
         return outcome
 
@@ -442,32 +435,29 @@ class SweepEngine:
         why: str,
         reason: str,
         original: FrozenTrial | None = None,
-        record: list[float] | None = None,
+        constraints: list[float] | None = None,
         failure_kind: str | None = None,
     ) -> None:
         """Not launched; every skip goes through here. `why` is the contract's `skip.reason` (repeat, certain_oom,
         predicted_oom), `reason` says it in words. `original`: the trial that already tells what this setting does
-        (its failure kind and constraint record become this one's); else `record` and `failure_kind` say it.
+        (its failure kind and constraint record become this one's); else `constraints` and `failure_kind` say it.
         Nothing was measured: a violated record is told as an infeasible setting is (`tell_infeasible`), anything
         else PRUNED without a value. Written on the trial first, so a worker that dies midway is redone alike."""
-        attrs: dict[str, Any] = {"trial.status": "skipped", "skip.reason": why, "skipped.reason": reason}
         metrics: dict[str, Any] = {}
         if original is not None:
-            attrs["skipped.because_of"] = original.number
-            failure_kind = original.user_attrs.get("failure.kind", failure_kind)
-            record, metrics = recorded_constraints(original), dict(original.user_attrs)
-        if failure_kind is not None:
-            attrs["failure.kind"] = failure_kind
+            failure_kind = original.user_attrs.get(record.FAILURE_KIND, failure_kind)
+            constraints, metrics = recorded_constraints(original), dict(original.user_attrs)
+        attrs = record.skipped_attrs(why, reason, original.number if original else None, failure_kind)
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
-        if record is not None:
-            self.store.set_constraints(trial.number, record)
-        tags = {k: v for k, v in attrs.items() if k != "failure.kind"}
+        if constraints is not None:
+            self.store.set_constraints(trial.number, constraints)
+        tags = {k: v for k, v in attrs.items() if k != record.FAILURE_KIND}
         tracking.set_tags(self.runs.client, run_id, tags)
         self.runs.mark_skipped(run_id, trial.number, trial.params, why, original.number if original else None)
         self.runs.client.set_terminated(run_id, "FINISHED")
-        if infeasible(record):
-            self.tell_infeasible(study, trial, record, metrics)
+        if infeasible(constraints):
+            self.tell_infeasible(study, trial, constraints, metrics)
         else:
             _tell(study, trial, state=TrialState.PRUNED)
         self.finished(study)
@@ -503,8 +493,8 @@ class SweepEngine:
             f"predicted oom: {prediction.device_gib:.1f} GiB on the card (model error ±{prediction.error:.0%}) "
             f"for a {self.budget:g} GiB budget"
         )
-        record = constraint_record(vram_budget=prediction.device_gib / self.budget - 1)
-        self.skip(study, trial, run_id, "predicted_oom", reason, record=record, failure_kind="oom")
+        constraints = constraint_record(vram_budget=prediction.device_gib / self.budget - 1)
+        self.skip(study, trial, run_id, "predicted_oom", reason, constraints=constraints, failure_kind="oom")
 
     def soak_left(self, study: optuna.Study) -> bool:
         """Whether a complete study still has finalists to soak (a re-run soaks them)."""
@@ -544,8 +534,8 @@ class SweepEngine:
             f"{float(self.sweeper.soak_minutes):g} min each (logs: {self.study_dir / 'soak'})",
             flush=True,
         )
-        for record in soak.run(study, sweep, rows, slots, self.fixed, self.runs, self.sweeper, self.budget):
-            print(f"soak: trial {record['trial']} {record['status']}: {record['detail']}", flush=True)
+        for done in soak.run(study, sweep, rows, slots, self.fixed, self.runs, self.sweeper, self.budget):
+            print(f"soak: trial {done['trial']} {done['status']}: {done['detail']}", flush=True)
 
     def rerun_launch_blocking(
         self, overrides: list[str], log_dir: Path, env: dict[str, str], run_id: str, first: Outcome, heartbeat: Any
@@ -555,29 +545,26 @@ class SweepEngine:
         second = run_process(
             overrides, log_dir / "launch_blocking", {**env, "CUDA_LAUNCH_BLOCKING": "1"}, self.sweeper, heartbeat
         )
+        second_kind = second.failure["kind"] if second.failure else "none (passed)"
         tags = {
-            "failure.kind": first.failure["kind"],
-            "failure.message": first.failure["message"],
-            "failure.step": first.failure.get("step"),
-            "failure.launch_blocking.kind": second.failure["kind"] if second.failure else "none (passed)",
-            "failure.launch_blocking.message": second.failure["message"] if second.failure else "",
-            "trial.status": "failed",
+            **record.failed_tags({k: first.failure.get(k) for k in ("kind", "message", "step")}),
+            record.LAUNCH_BLOCKING_KIND: second_kind,
+            record.LAUNCH_BLOCKING_MESSAGE: second.failure["message"] if second.failure else "",
         }
         tracking.set_tags(self.runs.client, run_id, tags)
         if second.recorded:
             self.runs.client.set_terminated(run_id, "FAILED")
         first.recorded = first.recorded and second.recorded
-        first.failure["launch_blocking_kind"] = tags["failure.launch_blocking.kind"]
+        first.failure["launch_blocking_kind"] = second_kind
         return first
 
     def tell(self, study: optuna.Study, trial: optuna.Trial, outcome: Outcome) -> None:
         m = outcome.metrics
-        for key, value in {**m, **_failure_attrs(outcome.failure)}.items():
-            trial.set_user_attr(key, value)
-        trial.set_user_attr("trial.status", outcome.status)
-        trial.set_user_attr("trial.launcher", outcome.launcher)
-        if outcome.attention_kernel:
-            trial.set_user_attr("attention.kernel", outcome.attention_kernel)
+        for key, value in record.attrs_of(outcome).items():
+            # What a failed process printed may quote a credential (a storage URL in a traceback): the study keeps
+            # none.
+            is_failure = key.startswith(record.FAILURE) and isinstance(value, str)
+            trial.set_user_attr(key, redact_text(value) if is_failure else value)
         kind = outcome.failure["kind"] if outcome.failure else None
         if outcome.status == "ok" and all(o in m for o in self.objectives):
             self.store.set_constraints(trial.number, self.rules.measured(m))
@@ -600,7 +587,7 @@ class SweepEngine:
 
     def after_recipe(self, study: optuna.Study, trial: optuna.Trial) -> None:
         """The user's recipe told and not stable: measure the memory levers on it (src/sweep/recipe.py)."""
-        if not trial.user_attrs.get(recipe.RECIPE):
+        if not trial.user_attrs.get(record.RECIPE):
             return
         frozen = self.store.get(trial.number)
         verdict, detail = classify(frozen, float(self.sweeper.headroom_margin))
@@ -631,10 +618,3 @@ def _tell(study: optuna.Study, trial: Any, values: Any = None, state: TrialState
     except RuntimeError as exc:
         if "Study.stop" not in str(exc):
             raise
-
-
-def _failure_attrs(failure: dict[str, Any] | None) -> dict[str, Any]:
-    if not failure:
-        return {}
-    # What a failed process printed may quote a credential (a storage URL in a traceback): the study keeps none.
-    return {f"failure.{k}": redact_text(v) if isinstance(v, str) else v for k, v in failure.items() if v is not None}

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.samplers import BaseSampler, BruteForceSampler, GridSampler, QMCSampler, RandomSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
+from src import record
 from src.failures import MEMORY, oom_needed_gib
 from src.knobs import MEMORY_DIRECTIONS
 from src.sweep.recipe import lever_overrides
@@ -108,7 +109,7 @@ class LaunchRules:
                 t.number != trial.number
                 and t.params == trial.params
                 and lever_overrides(t) == lever_overrides(trial)
-                and t.user_attrs.get("trial.status") in ("ok", "failed")
+                and record.status(t.user_attrs) in ("ok", "failed")
             ):
                 return t
         return None
@@ -125,7 +126,7 @@ class LaunchRules:
             return None
         proposal = trial.params
         for t in study.get_trials(deepcopy=False, states=TOLD):
-            if t.user_attrs.get("failure.kind") not in MEMORY or t.user_attrs.get("trial.status") != "failed":
+            if record.recorded_kind(t.user_attrs) not in MEMORY or record.status(t.user_attrs) != "failed":
                 continue
             if set(t.params) != set(proposal) or lever_overrides(t) != lever_overrides(trial):
                 continue  # a lever changes a knob outside the params: only the same lever compares

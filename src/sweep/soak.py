@@ -24,7 +24,7 @@ from typing import Any
 import optuna
 from omegaconf import OmegaConf
 
-from src import tracking
+from src import record, tracking
 from src.config import override_value
 from src.study import Sweep, TrialRow
 from src.sweep.process import Outcome, run_process
@@ -33,7 +33,7 @@ from src.sweep.stop import stopping
 from src.trial.handoff import RUN_ENV, TRIAL_ENV
 
 log = logging.getLogger(__name__)
-KEY = "soak.{}"
+KEY = record.SOAK
 # The soak trains until both: one epoch and the minutes; the epoch count only bounds it (the learning-rate
 # schedule then stretches over it, which moves no memory).
 EPOCHS_BOUND = 1000
@@ -108,12 +108,12 @@ def soak_one(
         runs.experiment_id,
         run_name=f"soak-trial-{row.number:03d}",
         tags={
-            "mlflow.parentRunId": runs.parent,
-            "optuna.study": sweep.name,
-            "soak.of_trial": str(row.number),
-            "sweep.role": "soak",
-            "run.kind": "soak",
-            "sweep.slot": slot.name,
+            record.PARENT_RUN: runs.parent,
+            record.OPTUNA_STUDY: sweep.name,
+            record.SOAK_OF_TRIAL: str(row.number),
+            record.ROLE: "soak",
+            record.RUN_KIND: "soak",
+            record.SLOT: slot.name,
         },
     ).info.run_id
     log_dir = log_dir_of(sweep, row.number)
@@ -123,13 +123,13 @@ def soak_one(
     outcome = run_process(overrides(row, fixed, minutes), log_dir, env, limits)
     if not outcome.recorded:
         tracking.close_failed(runs.client, run_id, outcome.failure, status="FAILED")
-    record = judge(outcome, row, runs.client, run_id, budget, sweep.margin, time.time() - started)
-    study.set_user_attr(KEY.format(row.number), record)
-    tracking.set_tags(runs.client, run_id, {"soak.status": record["status"]})
+    soaked = judge(outcome, row, runs.client, run_id, budget, sweep.margin, time.time() - started)
+    study.set_user_attr(KEY.format(row.number), soaked)
+    tracking.set_tags(runs.client, run_id, {record.SOAK_STATUS: soaked["status"]})
     if row.run_id:
-        tracking.set_tags(runs.client, row.run_id, {"soak.status": record["status"], "soak.run_id": run_id})
-    log.info("soak of trial %d: %s (%s)", row.number, record["status"], record["detail"])
-    return record
+        tracking.set_tags(runs.client, row.run_id, {record.SOAK_STATUS: soaked["status"], record.SOAK_RUN_ID: run_id})
+    log.info("soak of trial %d: %s (%s)", row.number, soaked["status"], soaked["detail"])
+    return soaked
 
 
 def judge(

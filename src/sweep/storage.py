@@ -24,15 +24,16 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from src.study import STALE_KIND, STALE_MESSAGE, retried_numbers, study_storage
-from src.sweep.recipe import LEVER
+from src import record
+from src.record import DEAD_WORKER, LEVER, WORKER_HOST, WORKER_PID, retried_numbers
+from src.study import study_storage
 from src.sweep.rules import CONSTRAINTS, CONSTRAINTS_KEY
 
 log = logging.getLogger(__name__)
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-# What a trial whose worker died is told: in its user attrs while it can take them, on its MLflow run always.
-DEAD_WORKER = {"kind": STALE_KIND, "message": STALE_MESSAGE, "step": None}
+# What a trial whose worker died is told (record.DEAD_WORKER): in its user attrs while it can take them, on its
+# MLflow run always.
 
 # Called with (study, trial) for each trial whose worker died, to close its MLflow run; returns the run's id.
 OnDead = Callable[[optuna.Study, FrozenTrial], str | None]
@@ -193,7 +194,7 @@ class StudyStore:
         return [
             t
             for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if (t.user_attrs.get("worker.host"), t.user_attrs.get("worker.pid")) != me
+            if (t.user_attrs.get(WORKER_HOST), t.user_attrs.get(WORKER_PID)) != me
         ]
 
     # -- recovery --
@@ -205,29 +206,28 @@ class StudyStore:
         so what it died of is written first)."""
         stale = self._stale_numbers()
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            here = t.user_attrs.get("worker.host") == self.host
+            here = t.user_attrs.get(WORKER_HOST) == self.host
             # Asked, then its worker died before writing who runs it and a first heartbeat (they are written under
             # the study's lock right after the ask): no heartbeat will ever expire, so age alone tells.
-            orphan = "worker.pid" not in t.user_attrs and _older_than(t.datetime_start, self.sweeper.grace_period_s)
+            orphan = WORKER_PID not in t.user_attrs and _older_than(t.datetime_start, self.sweeper.grace_period_s)
             dead = (
                 t.number in stale
                 or orphan
                 or (
                     here
                     and not _alive(
-                        t.user_attrs.get("worker.pid"),
-                        t.user_attrs.get("worker.started"),
-                        t.user_attrs.get("worker.started_since_boot"),
+                        t.user_attrs.get(WORKER_PID),
+                        t.user_attrs.get(record.WORKER_STARTED),
+                        t.user_attrs.get(record.WORKER_STARTED_SINCE_BOOT),
                     )
                 )
             )
             if not dead or self.from_records(study, t):
                 continue
             run_id = self.on_dead(study, t)
-            attrs = {f"failure.{k}": v for k, v in DEAD_WORKER.items() if v is not None}
-            attrs["trial.status"] = "failed"
-            if run_id and "mlflow_run_id" not in t.user_attrs:
-                attrs["mlflow_run_id"] = run_id
+            attrs = record.outcome_tags("failed", DEAD_WORKER)
+            if run_id and record.RUN_ID not in t.user_attrs:
+                attrs[record.RUN_ID] = run_id
             self.set_attrs(t.number, attrs)
             if self.storage.set_trial_state_values(self.trial_id(t.number), TrialState.FAIL):
                 self._requeue(study, t)
@@ -254,7 +254,7 @@ class StudyStore:
 
     def _requeue(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if self.sweeper.retry_failed_trials:
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+            study.enqueue_trial(trial.params, user_attrs={record.RETRY_OF: trial.number})
         log.warning("trial %d was left running by a dead worker: failed (killed)", trial.number)
 
 
@@ -282,9 +282,9 @@ def create_time(pid: int, since_boot: bool = False) -> float | None:
 def worker_identity(pid: int) -> dict[str, Any]:
     """What a worker records on the trials it runs, so that a worker on the same host can tell whether it lives."""
     return {
-        "worker.pid": pid,
-        "worker.started": create_time(pid),
-        "worker.started_since_boot": create_time(pid, since_boot=True),
+        WORKER_PID: pid,
+        record.WORKER_STARTED: create_time(pid),
+        record.WORKER_STARTED_SINCE_BOOT: create_time(pid, since_boot=True),
     }
 
 
