@@ -87,6 +87,32 @@ def test_a_trial_that_recorded_itself_before_its_sweeper_died_is_told_what_it_me
         assert "trial 1 had finished (ok) when its sweep worker died: told what its records say" in again.stderr
 
 
+def test_a_sigterm_during_a_soak_leaves_no_run_running_and_the_resume_finishes_the_soak(
+    root: Path, mlflow_client
+) -> None:
+    """Issue 30 finding 10: a soak is launched, stopped and recorded as every trial is (src/sweep/launch.py). A
+    SIGTERM while the finalist soaks ends the sweep with its one line, the soak's run KILLED (it stayed RUNNING for
+    good), and the same command again soaks the finalist to the end."""
+    soak = ["hydra.sweeper.soak_top_k=1"]
+    first = _fake_sweep(root, "soaked", *soak, fault="sigterm@soak")
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
+    assert "the sweep was interrupted (SIGTERM): 1 running trial stopped and recorded as killed" in first.stderr
+    runs = _runs(mlflow_client, "soaked")
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    soaks = [r for r in runs if r.data.tags.get("run.kind") == "soak"]
+    assert [(r.info.status, r.data.tags["failure.kind"]) for r in soaks] == [("KILLED", "killed")]
+    assert _study(root, "soaked").user_attrs["soak.2"]["status"] == "stopped"
+
+    again = _fake_sweep(root, "soaked", *soak)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "soak: trial 2 passed" in again.stdout, again.stdout[-3000:]
+    assert _study(root, "soaked").user_attrs["soak.2"]["status"] == "passed"
+    runs = _runs(mlflow_client, "soaked")
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    assert sorted(r.info.status for r in runs if r.data.tags.get("run.kind") == "soak") == ["FINISHED", "KILLED"]
+
+
 # ---- item 7: a full disk ------------------------------------------------------------------------------------
 
 

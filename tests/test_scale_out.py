@@ -545,7 +545,7 @@ def test_scale_out_figures(
         client.set_terminated(run_id, "FINISHED")
         return Outcome("ok", metrics={"tokens_per_s": 1.0, "peak_vram_reserved_gib": 1.0})
 
-    monkeypatch.setattr("src.sweep.engine.run_process", recording_only)
+    monkeypatch.setattr("src.sweep.launch.run_process", recording_only)
     monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
 
     def engine(study: str, n: int, *extra: str) -> SweepEngine:

@@ -43,15 +43,16 @@ from optuna.trial import FrozenTrial, TrialState
 
 from src import quiet, record, stores, tracking
 from src.config import override_value
-from src.failures import STICKY_CUDA, first_line
+from src.failures import first_line
 from src.record import DEAD_WORKER
 from src.redact import redact_text
 from src.study import classify
 from src.study import load as load_sweep
 from src.sweep import recipe, soak
 from src.sweep.checks import SpaceFacts, check_space
+from src.sweep.launch import launch
 from src.sweep.memory import MemoryGate, predicted_attrs
-from src.sweep.process import Outcome, recorded_outcome, run_process, start_launcher, tail
+from src.sweep.process import Outcome, recorded_outcome, start_launcher
 from src.sweep.rules import (
     SETTING_FAILURES,
     TOLD,
@@ -67,7 +68,6 @@ from src.sweep.space import outside_space, refuse_credentials, split_arguments
 from src.sweep.stop import RESUME, on_signals, stopping, store_trouble
 from src.sweep.storage import StudyStore, worker_identity
 from src.sweep.tally import Tally
-from src.trial.handoff import RUN_ENV, TRIAL_ENV
 
 log = logging.getLogger(__name__)
 quiet.install()  # sweeps started without src.train (src.cluster's workers, tests): the same quiet (src/quiet.py)
@@ -401,31 +401,20 @@ class SweepEngine:
             self.skip_predicted(study, trial, prediction, run_id)
             return
         log_dir = self.study_dir / "trials" / f"{trial.number:03d}"
-        env = {**slot.env, RUN_ENV: run_id, TRIAL_ENV: str(trial.number)}
         with self.lock:
             self.tally.counts["running"] += 1
             self.tally.show()
         try:
-            outcome = self.launch(trial.number, overrides, log_dir, env, run_id)
+            outcome = self.launch(slot, trial.number, overrides, log_dir, run_id)
         finally:
             with self.lock:
                 self.tally.counts["running"] -= 1
         self.tell(study, trial, outcome)
 
-    def launch(self, number: int, overrides: list[str], log_dir: Path, env: dict[str, str], run_id: str) -> Outcome:
-        """Run the trial's process (again with CUDA_LAUNCH_BLOCKING=1 after a sticky CUDA error) and end its MLflow
-        run where the process could not."""
+    def launch(self, slot: Slot, number: int, overrides: list[str], log_dir: Path, run_id: str) -> Outcome:
+        """The trial's process, through the one launcher every trial and soak takes (src/sweep/launch.py)."""
         heartbeat = lambda: self.store.heartbeat(number)  # noqa: E731
-        outcome = run_process(overrides, log_dir, env, self.sweeper, heartbeat)
-        tracking.set_tags(self.runs.client, run_id, {record.LAUNCHER: outcome.launcher})
-        if outcome.failure and outcome.failure["kind"] in STICKY_CUDA and self.sweeper.launch_blocking_rerun:
-            outcome = self.rerun_launch_blocking(overrides, log_dir, env, run_id, outcome, heartbeat)
-        if not outcome.recorded:
-            tracking.log_text(self.runs.client, run_id, tail(log_dir / "stderr.log"), "stderr_tail.txt")
-            tracking.log_metrics(self.runs.client, run_id, {**outcome.metrics, "vram_budget_gib": self.budget})
-            status = "KILLED" if outcome.failure["kind"] in record.KILLED_KINDS else "FAILED"
-            tracking.close_failed(self.runs.client, run_id, outcome.failure, status=status)
-        return outcome
+        return launch(self.runs, self.sweeper, slot, str(number), overrides, log_dir, run_id, self.budget, heartbeat)
 
     def skip(
         self,
@@ -534,29 +523,12 @@ class SweepEngine:
             f"{float(self.sweeper.soak_minutes):g} min each (logs: {self.study_dir / 'soak'})",
             flush=True,
         )
-        for done in soak.run(study, sweep, rows, slots, self.fixed, self.runs, self.sweeper, self.budget):
+        with stopping.workers_running():  # a signal ends the soaks' processes and records them (like the trials)
+            done_soaks = soak.run(study, sweep, rows, slots, self.fixed, self.runs, self.sweeper, self.budget)
+        for done in done_soaks:
+            if done["status"] == soak.STOPPED:
+                continue
             print(f"soak: trial {done['trial']} {done['status']}: {done['detail']}", flush=True)
-
-    def rerun_launch_blocking(
-        self, overrides: list[str], log_dir: Path, env: dict[str, str], run_id: str, first: Outcome, heartbeat: Any
-    ) -> Outcome:
-        """The seed answer's first step, automated: the same trial once more with CUDA_LAUNCH_BLOCKING=1, so the
-        recorded stack points at the kernel that failed. The first attempt's kind stays the trial's."""
-        second = run_process(
-            overrides, log_dir / "launch_blocking", {**env, "CUDA_LAUNCH_BLOCKING": "1"}, self.sweeper, heartbeat
-        )
-        second_kind = second.failure["kind"] if second.failure else "none (passed)"
-        tags = {
-            **record.failed_tags({k: first.failure.get(k) for k in ("kind", "message", "step")}),
-            record.LAUNCH_BLOCKING_KIND: second_kind,
-            record.LAUNCH_BLOCKING_MESSAGE: second.failure["message"] if second.failure else "",
-        }
-        tracking.set_tags(self.runs.client, run_id, tags)
-        if second.recorded:
-            self.runs.client.set_terminated(run_id, "FAILED")
-        first.recorded = first.recorded and second.recorded
-        first.failure["launch_blocking_kind"] = second_kind
-        return first
 
     def tell(self, study: optuna.Study, trial: optuna.Trial, outcome: Outcome) -> None:
         m = outcome.metrics

@@ -85,6 +85,22 @@ class SweepRuns:
         )
         return run.info.run_id
 
+    def soak(self, number: int, slot: str) -> str:
+        """The run of trial `number`'s soak (src/sweep/soak.py), under the sweep's parent run."""
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"soak-trial-{number:03d}",
+            tags={
+                record.PARENT_RUN: self.parent,
+                record.OPTUNA_STUDY: self.study_name,
+                record.SOAK_OF_TRIAL: str(number),
+                record.ROLE: "soak",
+                KIND: "soak",
+                record.SLOT: slot,
+            },
+        )
+        return run.info.run_id
+
     def mark_skipped(
         self, run_id: str, number: int, params: dict[str, Any], why: str, because_of: int | None = None
     ) -> None:
