@@ -28,9 +28,9 @@ def trial(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbea
     from mlflow.tracking import MlflowClient
 
     from src import tracking
+    from src.handoff import RESULT_FILE, RUN_ENV, TRIAL_ENV
     from src.sweep.process import Outcome
     from src.sweep.stop import stopping
-    from src.trial.handoff import RESULT_FILE, RUN_ENV, TRIAL_ENV
 
     label, run_id = env[TRIAL_ENV], env[RUN_ENV]
     fault, _, at = os.environ.get(FAULT_ENV, "").partition("@")

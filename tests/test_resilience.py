@@ -235,8 +235,8 @@ def test_trials_start_in_a_session_of_their_own_without_preexec_fn(root: Path, m
     """preexec_fn can deadlock a child forked from a threaded parent (the engine runs one thread per slot)."""
     from omegaconf import OmegaConf
 
+    from src.handoff import PARENT_ENV
     from src.sweep import process
-    from src.trial.handoff import PARENT_ENV
 
     seen: dict = {}
 
@@ -293,7 +293,7 @@ def test_a_trial_whose_engine_died_before_it_started_exits_at_once(parent: str) 
     """The race a parent-death signal leaves: the engine dies before the trial asks for the signal. The trial
     compares its parent with the one it was started by, and exits if they differ. The variable is its own only:
     what it starts (torchrun's ranks) does not inherit it."""
-    from src.trial.handoff import PARENT_ENV
+    from src.handoff import PARENT_ENV
 
     if parent == "gone":
         gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -301,7 +301,7 @@ def test_a_trial_whose_engine_died_before_it_started_exits_at_once(parent: str) 
     else:
         pid = str(os.getpid())
     code = (
-        "import os; from src.trial.handoff import PARENT_ENV, die_with_parent; die_with_parent();"
+        "import os; from src.handoff import PARENT_ENV, die_with_parent; die_with_parent();"
         "print('alive', os.environ.get(PARENT_ENV))"
     )
     done = subprocess.run(

@@ -12,10 +12,10 @@ from typing import Any
 
 from src import record, tracking
 from src.failures import STICKY_CUDA
+from src.handoff import RUN_ENV, TRIAL_ENV
 from src.record import Outcome
 from src.sweep.process import run_process, tail
 from src.sweep.slots import Slot
-from src.trial.handoff import RUN_ENV, TRIAL_ENV
 
 
 def launch(

@@ -5,7 +5,7 @@ tail of its stderr.
 
 A fresh interpreter is started with `start_new_session`, not a `preexec_fn` (which can deadlock a child forked
 from a threaded parent: the engine runs one thread per slot); it asks for its parent-death signal itself, first
-thing (src/trial/handoff.py `die_with_parent`).
+thing (src/handoff.py `die_with_parent`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from omegaconf import DictConfig
 
 from src import record
 from src.failures import classify_exit, first_line
+from src.handoff import PARENT_ENV, PROGRESS_FILE, RESULT_FILE, STARTED_ENV
 from src.record import Outcome
 from src.redact import redact_text
 from src.sweep import launcher
 from src.sweep.stop import stopping
-from src.trial.handoff import PARENT_ENV, PROGRESS_FILE, RESULT_FILE, STARTED_ENV
 
 __all__ = ["Outcome", "recorded_outcome", "run_process", "start_launcher", "stop_process_group", "tail"]
 

@@ -214,9 +214,7 @@ def view_address(tracking_uri: str, experiment_id: str, key: str) -> str:
 
 def setting_words(params: dict[str, Any], lever: list[str] | tuple[str, ...] = ()) -> str:
     """A setting in the report's words: the knobs' short labels in registry order, a lever's overrides after."""
-    from src.report.text import fmt  # here, not at the top: src.report imports this module
-
-    words = [f"{knobs.label(k)}={fmt(params[k])}" for k in knobs.ordered(set(params))]
+    words = [f"{knobs.label(k)}={knobs.fmt(params[k])}" for k in knobs.ordered(set(params))]
     for override in lever:
         key, _, value = override.partition("=")
         words.append(f"+{knobs.label(key.lstrip('+~'))}={value}")

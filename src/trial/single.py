@@ -21,7 +21,7 @@ from src import record as rec
 from src import stores, tracking
 from src.config import to_container
 from src.failures import ConfigError, DataError, Failure, classify_exception, first_line, oom_request_gib
-from src.trial.handoff import PROGRESS_FILE, RESULT_FILE, RUN_ENV
+from src.handoff import PROGRESS_FILE, RESULT_FILE, RUN_ENV
 
 HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")  # what Hydra saves under <run dir>/.hydra/
 
