@@ -213,7 +213,7 @@ def test_a_worker_dead_before_naming_its_run_still_leaves_one_closed_run_per_tri
         trial.set_user_attr("worker.pid", int(dead.stdout))  # a process that has exited
         orphans.append(trial)
     unnamed = engine.runs.child(orphans[0].number, "cpu0")  # created, never set on the trial
-    engine.store.recover(study)
+    engine.recover(study)
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL]
     assert trials[0].user_attrs["mlflow_run_id"] == unnamed

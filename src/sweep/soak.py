@@ -18,6 +18,7 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,44 @@ def pending(study: optuna.Study, sweep: Sweep, top_k: int) -> list[TrialRow]:
         for r in sweep.ranked()[:top_k]
         if study.user_attrs.get(KEY.format(r.number), {"status": STOPPED}).get("status") == STOPPED
     ]
+
+
+def finalists(
+    study: optuna.Study,
+    store: Any,
+    classified: Callable[[], Sweep],
+    sweeper: Any,
+    slots: list[Slot],
+    fixed: list[str],
+    runs: Any,
+    budget: float,
+) -> None:
+    """The last worker out soaks the finalists not soaked yet (claimed under the study's lock, so another worker
+    finishing now does not soak them too); a re-run of a complete study soaks what was left."""
+    top_k = int(sweeper.soak_top_k)
+    if top_k <= 0:
+        return
+    with store.lock():
+        if store.others_running(study):
+            return
+        sweep = classified()
+        rows = pending(study, sweep, top_k)
+        if not sweep.ranked():
+            print("soak: no setting to soak (none is stable within the truncation policy)", flush=True)
+        for row in rows:
+            study.set_user_attr(KEY.format(row.number), {"status": "running"})
+    if not rows:
+        return
+    print(
+        f"soak: trial(s) {', '.join(str(r.number) for r in rows)} train at least one epoch and "
+        f"{float(sweeper.soak_minutes):g} min each (logs: {sweep.study_dir / 'soak'})",
+        flush=True,
+    )
+    with stopping.workers_running():  # a signal ends the soaks' processes and records them (like the trials)
+        done = run(study, sweep, rows, slots, fixed, runs, sweeper, budget)
+    for soaked in done:
+        if soaked["status"] != STOPPED:
+            print(f"soak: trial {soaked['trial']} {soaked['status']}: {soaked['detail']}", flush=True)
 
 
 def run(

@@ -35,10 +35,9 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 # What a trial whose worker died is told (record.DEAD_WORKER): in its user attrs while it can take them, on its
 # MLflow run always.
 
-# Called with (study, trial) for each trial whose worker died, to close its MLflow run; returns the run's id.
+# Called with (study, trial) for each trial Optuna's stale-trial machinery failed, to close its MLflow run; returns
+# the run's id.
 OnDead = Callable[[optuna.Study, FrozenTrial], str | None]
-# Called first: tells the trial what its own records say it measured, if they say it finished (True).
-FromRecords = Callable[[optuna.Study, FrozenTrial], bool]
 
 
 class StudyStore:
@@ -49,14 +48,12 @@ class StudyStore:
         study_dir: Path,
         host: str,
         on_dead: OnDead,
-        from_records: FromRecords,
     ) -> None:
         self.sweeper = sweeper
         self.study_name = study_name
         self.study_dir = study_dir
         self.host = host
         self.on_dead = on_dead
-        self.from_records = from_records
         self._lock_engine: sqlalchemy.Engine | None = None
         self.storage: optuna.storages.RDBStorage | None = None
         self.study_id: int | None = None
@@ -199,40 +196,34 @@ class StudyStore:
 
     # -- recovery --
 
-    def recover(self, study: optuna.Study) -> None:
-        """Settle trials whose worker is gone: on any host, its heartbeat expired (Optuna's rule); on this host, its
-        process is dead (no need to wait for the heartbeat). Each is told from its own records if they say it
-        finished (`from_records`), else failed as killed while still running (Optuna freezes a finished trial,
-        so what it died of is written first)."""
+    def dead(self, study: optuna.Study) -> list[FrozenTrial]:
+        """Running trials whose worker is gone: on any host, its heartbeat expired (Optuna's rule); on this host, its
+        process is dead (no need to wait for the heartbeat). The caller settles each (told from its own records if
+        they say it finished, else `fail_dead`) while still running: Optuna freezes a finished trial."""
         stale = self._stale_numbers()
+        found = []
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             here = t.user_attrs.get(WORKER_HOST) == self.host
             # Asked, then its worker died before writing who runs it and a first heartbeat (they are written under
             # the study's lock right after the ask): no heartbeat will ever expire, so age alone tells.
             orphan = WORKER_PID not in t.user_attrs and _older_than(t.datetime_start, self.sweeper.grace_period_s)
-            dead = (
-                t.number in stale
-                or orphan
-                or (
-                    here
-                    and not _alive(
-                        t.user_attrs.get(WORKER_PID),
-                        t.user_attrs.get(record.WORKER_STARTED),
-                        t.user_attrs.get(record.WORKER_STARTED_SINCE_BOOT),
-                    )
-                )
-            )
-            if not dead or self.from_records(study, t):
-                continue
-            run_id = self.on_dead(study, t)
-            attrs = record.outcome_tags("failed", DEAD_WORKER)
-            if run_id and record.RUN_ID not in t.user_attrs:
-                attrs[record.RUN_ID] = run_id
-            self.set_attrs(t.number, attrs)
-            if self.storage.set_trial_state_values(self.trial_id(t.number), TrialState.FAIL):
-                self._requeue(study, t)
-        # Optuna's own machinery, for a heartbeat that expired since the look above (it fails first, then calls
-        # `_stale`): milliseconds against a grace period, but no trial is ever left running for ever.
+            if t.number in stale or orphan or (here and not _alive_worker(t)):
+                found.append(t)
+        return found
+
+    def fail_dead(self, study: optuna.Study, trial: FrozenTrial, run_id: str | None) -> None:
+        """A dead worker's trial that its records do not tell: failed as killed (what it died of written first),
+        `run_id` its closed MLflow run; queued again if asked."""
+        attrs = record.outcome_tags("failed", DEAD_WORKER)
+        if run_id and record.RUN_ID not in trial.user_attrs:
+            attrs[record.RUN_ID] = run_id
+        self.set_attrs(trial.number, attrs)
+        if self.storage.set_trial_state_values(self.trial_id(trial.number), TrialState.FAIL):
+            self._requeue(study, trial)
+
+    def fail_stale(self, study: optuna.Study) -> None:
+        """Optuna's own machinery, for a heartbeat that expired since `dead` looked (it fails first, then calls
+        `_stale`): milliseconds against a grace period, but no trial is ever left running for ever."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
@@ -296,6 +287,11 @@ def _older_than(started: Any, seconds: float) -> bool:
 # An epoch start time read twice of one process differs by up to a second (create_time); a reused pid's process
 # started later than that by far (the pid space wraps around first).
 _EPOCH_SLACK_S = 2.0
+
+
+def _alive_worker(trial: FrozenTrial) -> bool:
+    a = trial.user_attrs
+    return _alive(a.get(WORKER_PID), a.get(record.WORKER_STARTED), a.get(record.WORKER_STARTED_SINCE_BOOT))
 
 
 def _alive(pid: int | None, started: float | None, since_boot: float | None = None) -> bool:
