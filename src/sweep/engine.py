@@ -56,6 +56,8 @@ from src.sweep.process import Outcome, start_launcher
 from src.sweep.rules import (
     TOLD,
     LaunchRules,
+    Skip,
+    predicted_skip,
 )
 from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
@@ -360,24 +362,15 @@ class SweepEngine:
         trial.set_user_attr(record.RUN_ID, run_id)
         trial.set_user_attr(record.SLOT, slot.name)
         self.record_truncation(trial, params, run_id)
-        original = self.rules.finished_twin(study, trial) if self.sweeper.skip_duplicates else None
-        if original is not None:
-            self.teller.skip(study, trial, run_id, "repeat", f"same setting as trial {original.number}", original)
-            return
-        dominating = self.rules.certain_oom(study, trial)
-        if dominating is not None:
-            reason = f"certain oom: needs at least trial {dominating.number}'s memory"
-            self.teller.skip(study, trial, run_id, "certain_oom", reason, original=dominating)
-            return
         overrides = [
             *self.trial_overrides,
             *self.fixed,
             *(f"{k}={override_value(v)}" for k, v in params.items()),
             *recipe.lever_overrides(trial),
         ]
-        prediction = self.predict(study, trial, overrides, run_id)
-        if prediction is not None and self.memory.skips(prediction):
-            self.teller.skip_predicted(study, trial, prediction, run_id)
+        decision = self.gate(study, trial, overrides, run_id)
+        if decision is not None:
+            self.teller.skip(study, trial, run_id, decision)
             return
         log_dir = self.study_dir / "trials" / f"{trial.number:03d}"
         with self.lock:
@@ -394,6 +387,20 @@ class SweepEngine:
         """The trial's process, through the one launcher every trial and soak takes (src/sweep/launch.py)."""
         heartbeat = lambda: self.store.heartbeat(number)  # noqa: E731
         return launch(self.runs, self.sweeper, slot, str(number), overrides, log_dir, run_id, self.budget, heartbeat)
+
+    def gate(self, study: optuna.Study, trial: optuna.Trial, overrides: list[str], run_id: str) -> Skip | None:
+        """One decision per proposal: None (launch it), or skip it as a repeat, a certain OOM or a predicted OOM
+        (src/sweep/rules.py, src/sweep/memory.py; the prediction is recorded on the trial either way)."""
+        original = self.rules.finished_twin(study, trial) if self.sweeper.skip_duplicates else None
+        if original is not None:
+            return Skip("repeat", f"same setting as trial {original.number}", original)
+        dominating = self.rules.certain_oom(study, trial)
+        if dominating is not None:
+            return Skip("certain_oom", f"certain oom: needs at least trial {dominating.number}'s memory", dominating)
+        prediction = self.predict(study, trial, overrides, run_id)
+        if prediction is not None and self.memory.skips(prediction):
+            return predicted_skip(prediction, self.budget)
+        return None
 
     def predict(self, study: optuna.Study, trial: optuna.Trial, overrides: list[str], run_id: str) -> Any:
         """The memory model's prediction for the trial, recorded on it and its run before it is launched."""

@@ -28,7 +28,7 @@ from src.sweep.process import recorded_outcome
 from src.sweep.rules import (
     SETTING_FAILURES,
     LaunchRules,
-    constraint_record,
+    Skip,
     infeasible,
     infeasible_state,
     recorded_constraints,
@@ -81,50 +81,31 @@ class Teller:
             self.after_recipe(study, trial)
         self.finished(study)
 
-    def skip(
-        self,
-        study: optuna.Study,
-        trial: optuna.Trial,
-        run_id: str,
-        why: str,
-        reason: str,
-        original: FrozenTrial | None = None,
-        constraints: list[float] | None = None,
-        failure_kind: str | None = None,
-    ) -> None:
-        """Not launched; every skip goes through here. `why` is the contract's `skip.reason` (repeat, certain_oom,
-        predicted_oom), `reason` says it in words. `original`: the trial that already tells what this setting does
-        (its failure kind and constraint record become this one's); else `constraints` and `failure_kind` say it.
-        Nothing was measured: a violated record is told as an infeasible setting is (`tell_infeasible`), anything
-        else PRUNED without a value. Written on the trial first, so a worker that dies midway is redone alike."""
+    def skip(self, study: optuna.Study, trial: optuna.Trial, run_id: str, decision: Skip) -> None:
+        """Not launched; every skip goes through here (src/sweep/rules.py Skip: why, in words, and what tells the
+        setting). Nothing was measured: a violated record is told as an infeasible setting is (`tell_infeasible`),
+        anything else PRUNED without a value. Written on the trial first, so a worker that dies midway is redone
+        alike."""
+        original, constraints, failure_kind = decision.original, decision.constraints, decision.failure_kind
         metrics: dict[str, Any] = {}
         if original is not None:
             failure_kind = original.user_attrs.get(record.FAILURE_KIND, failure_kind)
             constraints, metrics = recorded_constraints(original), dict(original.user_attrs)
-        attrs = record.skipped_attrs(why, reason, original.number if original else None, failure_kind)
+        because = original.number if original else None
+        attrs = record.skipped_attrs(decision.why, decision.reason, because, failure_kind)
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         if constraints is not None:
             self.store.set_constraints(trial.number, constraints)
         tags = {k: v for k, v in attrs.items() if k != record.FAILURE_KIND}
         tracking.set_tags(self.runs.client, run_id, tags)
-        self.runs.mark_skipped(run_id, trial.number, trial.params, why, original.number if original else None)
+        self.runs.mark_skipped(run_id, trial.number, trial.params, decision.why, because)
         self.runs.client.set_terminated(run_id, "FINISHED")
         if infeasible(constraints):
             self.tell_infeasible(study, trial, constraints, metrics)
         else:
             tell(study, trial, state=TrialState.PRUNED)
         self.finished(study)
-
-    def skip_predicted(self, study: optuna.Study, trial: optuna.Trial, prediction: Any, run_id: str) -> None:
-        """Not launched: the memory model puts it beyond the budget by more than its own error. Told with the
-        predicted violation as its constraint record, so the sampler learns the region as it would from an OOM."""
-        reason = (
-            f"predicted oom: {prediction.device_gib:.1f} GiB on the card (model error ±{prediction.error:.0%}) "
-            f"for a {self.budget:g} GiB budget"
-        )
-        constraints = constraint_record(vram_budget=prediction.device_gib / self.budget - 1)
-        self.skip(study, trial, run_id, "predicted_oom", reason, constraints=constraints, failure_kind="oom")
 
     def tell_infeasible(
         self, study: optuna.Study, trial: optuna.Trial, constraints: list[float], metrics: dict[str, Any]
@@ -150,7 +131,7 @@ class Teller:
         if skipped is not None:  # a skip, decided before its worker died
             why, reason, because, kind = skipped
             original = self.store.get(because) if because is not None else None
-            self.skip(study, live, run_id, why, reason, original, recorded_constraints(trial), kind)
+            self.skip(study, live, run_id, Skip(why, reason, original, recorded_constraints(trial), kind))
             return True
         outcome = recorded_outcome(log_dir, run_id) or self.runs.recorded(run_id)
         if outcome is None:
