@@ -36,9 +36,9 @@ from pathlib import Path
 
 from benchmarks import summarize
 from src.config import override_value
+from src.handoff import STARTED_ENV
 from src.sweep import launcher
 from src.tracking import system_tags
-from src.trial.handoff import STARTED_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = {

@@ -53,6 +53,15 @@ def keys() -> list[str]:
     return [k.key for k in KNOBS]
 
 
+def fmt(value: Any) -> str:
+    """A knob's value as the report shows it (booleans and null in YAML's words)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "-" if value is None else str(value)
+
+
 def label(key: str) -> str:
     """A knob's short column name; an unregistered key shows its last segment."""
     knob = BY_KEY.get(key)

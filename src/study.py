@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,15 +16,12 @@ from omegaconf import OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from src import knobs
+from src import knobs, record
 from src.config import compose
+from src.record import STALE_KIND, STALE_MESSAGE, failure_kind, retried_numbers
 
 DEFAULT_MARGIN = 0.10
 CLASSES = ("stable", "marginal", "failed", "skipped", "pruned", "running")
-# A FAIL trial that no one labelled was failed by Optuna's stale-trial machinery (optuna.storages.
-# fail_stale_trials): its worker stopped beating, and a finished trial takes no more attributes.
-STALE_KIND = "killed"
-STALE_MESSAGE = "the sweep worker running this trial died"
 # What the engine records on the sweep's parent run as `sweep.<key>` tags (JSON values).
 _SETTINGS = ("objectives", "headroom_margin", "trial_overrides")
 # Also a parent tag: the truncation policy the trials would have had outside the sweep (a sweep measures settings
@@ -37,17 +33,7 @@ class StudyNotFound(LookupError):
     """The study asked for is not in the storage; the message lists those that are."""
 
 
-def failure_kind(trial: FrozenTrial) -> str | None:
-    """The trial's recorded `failure.kind`; `killed` for a FAIL trial nobody labelled; None otherwise."""
-    kind = trial.user_attrs.get("failure.kind")
-    if kind is None and trial.state == TrialState.FAIL:
-        return STALE_KIND
-    return kind
-
-
-def retried_numbers(trials: Iterable[FrozenTrial]) -> set[int]:
-    """Trials whose settings were queued again (`hydra.sweeper.retry_failed_trials`): the retry counts, not them."""
-    return {int(t.user_attrs["retry_of"]) for t in trials if t.user_attrs.get("retry_of") is not None}
+__all__ = ["STALE_KIND", "STALE_MESSAGE", "failure_kind", "retried_numbers"]  # from src/record.py, read here too
 
 
 # ---- where things are ----------------------------------------------------------------------------------------
@@ -152,10 +138,10 @@ def classify(trial: FrozenTrial, margin: float, retried: bool = False) -> tuple[
     """(class, detail) of one trial. Headroom is the contract's: 1 - peak reserved / budget. `retried`: the
     sweep queued its setting again (see retried_numbers); an older engine marked the trial itself."""
     a = trial.user_attrs
-    status = a.get("trial.status")
+    status = record.status(a)
     if status == "skipped":
-        origin = a.get("skipped.because_of", a.get("skipped.duplicate_of"))
-        detail = a.get("skipped.reason") or (f"repeat of trial {origin}" if origin is not None else "not launched")
+        origin = record.origin(a)
+        detail = a.get(record.SKIPPED_REASON) or (f"repeat of trial {origin}" if origin is not None else "not launched")
         return "skipped", str(detail)
     if trial.state in (TrialState.RUNNING, TrialState.WAITING):
         return "running", trial.state.name.lower()
@@ -165,9 +151,9 @@ def classify(trial: FrozenTrial, margin: float, retried: bool = False) -> tuple[
     if status == "pruned" or (trial.state == TrialState.PRUNED and status != "failed"):
         return "pruned", "pruned"
     kind = failure_kind(trial) or "other"
-    step = a.get("failure.step")
+    step = a.get(record.FAILURE_STEP)
     detail = f"{kind} at step {step}" if step is not None else str(kind)
-    return "failed", detail + (" (retried)" if retried or a.get("retried") else "")
+    return "failed", detail + (" (retried)" if retried or a.get(record.RETRIED) else "")
 
 
 def _finished(a: dict[str, Any], margin: float) -> tuple[str, str]:
@@ -311,7 +297,7 @@ def sweep_settings(study: optuna.Study, tracking_uri: str | None) -> dict[str, A
 
 
 def _parent_tags(study: optuna.Study, tracking_uri: str | None) -> dict[str, str]:
-    parent = study.user_attrs.get("mlflow_parent_run_id")
+    parent = study.user_attrs.get(record.PARENT_RUN_ID)
     if not (parent and tracking_uri and store_exists(tracking_uri)):
         return {}
     try:
@@ -352,23 +338,19 @@ def load(
         budget=max(budgets) if budgets else None,
         knobs=knobs.ordered({k for r in rows for k in r.params}),
         rows=rows,
-        parent_run_id=study.user_attrs.get("mlflow_parent_run_id"),
+        parent_run_id=study.user_attrs.get(record.PARENT_RUN_ID),
         probe_overrides=[str(o) for o in settings.get("trial_overrides") or []],
         max_truncated_answer_frac=None if settings.get(_POLICY) is None else float(settings[_POLICY]),
-        soaks={int(k.split(".", 1)[1]): v for k, v in study.user_attrs.items() if _is_soak(k, v)},
+        soaks={int(k.split(".", 1)[1]): v for k, v in study.user_attrs.items() if record.is_soak_key(k, v)},
     )
-
-
-def _is_soak(key: str, value: Any) -> bool:
-    return key.startswith("soak.") and key.split(".", 1)[1].isdigit() and isinstance(value, dict)
 
 
 def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
     verdict, detail = classify(t, margin, retried)
     a = t.user_attrs
-    origin = a.get("skipped.because_of", a.get("skipped.duplicate_of"))
+    origin = record.origin(a)
     kind = failure_kind(t)
-    stale = kind == STALE_KIND and "failure.kind" not in a
+    stale = kind == STALE_KIND and record.recorded_kind(a) is None
     return TrialRow(
         number=t.number,
         params=dict(t.params),
@@ -377,12 +359,12 @@ def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
         detail=detail,
         metrics={k: float(v) for k, v in a.items() if _is_metric(k, v)},
         failure_kind=kind,
-        failure_message=STALE_MESSAGE if stale else a.get("failure.message"),
-        run_id=a.get("mlflow_run_id"),
-        because_of=int(origin) if origin is not None else None,
-        slot=a.get("sweep.slot"),
-        recipe=str(a.get("sweep.recipe", "")).lower() == "true",
-        lever=_lever(a.get("sweep.lever")),
+        failure_message=STALE_MESSAGE if stale else a.get(record.FAILURE_MESSAGE),
+        run_id=a.get(record.RUN_ID),
+        because_of=origin,
+        slot=a.get(record.SLOT),
+        recipe=str(a.get(record.RECIPE, "")).lower() == "true",
+        lever=_lever(a.get(record.LEVER)),
     )
 
 
@@ -398,7 +380,7 @@ def _is_metric(key: str, value: Any) -> bool:
         isinstance(value, int | float)
         and not isinstance(value, bool)
         and "." not in key
-        and key not in ("mlflow_run_id", "retry_of")
+        and key not in (record.RUN_ID, record.RETRY_OF)
     )
 
 

@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from src import gpus
+from src import gpus, record
 from src.config import flatten
 from src.redact import REDACTED, is_secret_key, redact_text
 
@@ -140,12 +140,7 @@ def log_text(client: Any, run_id: str, text: str, name: str) -> None:
 
 def close_failed(client: Any, run_id: str, failure: dict[str, Any], status: str = "FAILED") -> None:
     """End a run that its trial could not end itself, with the failure's tags."""
-    tags = {"trial.status": "failed", "failure.kind": failure.get("kind"), "failure.message": failure.get("message")}
-    if failure.get("step") is not None:
-        tags["failure.step"] = failure["step"]
-    if failure.get("rank") is not None:
-        tags["failure.rank"] = failure["rank"]
-    set_tags(client, run_id, tags)
+    set_tags(client, run_id, record.failed_tags(failure))
     client.set_terminated(run_id, status)
 
 

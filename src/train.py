@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from src import quiet
 from src.config import register_configs
-from src.trial.handoff import RUN_ENV, die_with_parent
+from src.handoff import RUN_ENV, die_with_parent
 
 quiet.install()  # before torch, transformers, peft, bitsandbytes, optuna load: their harmless warnings (src/quiet.py)
 register_configs()
@@ -79,5 +79,5 @@ def _where(cfg: DictConfig, out_dir: Path, run_id: str) -> str:
 
 
 if __name__ == "__main__":
-    die_with_parent()  # a trial started by the sweep engine dies with it (src/trial/handoff.py)
+    die_with_parent()  # a trial started by the sweep engine dies with it (src/handoff.py)
     main()

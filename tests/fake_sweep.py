@@ -6,7 +6,8 @@ itself and then run it again:
 Each stand-in trial records itself as a real one does (src/trial/single.py: its MLflow run's metrics and tags,
 result.json, then the run ended FINISHED). QLORA_FAKE_FAULT=<fault>@<trial number> strikes once that trial has
 recorded itself, before the engine tells Optuna: `sigkill` or `sigterm` the sweep process, or `disk_full`: every
-write to the Optuna storage fails from then on, as SQLite fails on a full disk.
+write to the Optuna storage fails from then on, as SQLite fails on a full disk. `sigterm@soak` strikes while a soak
+runs, before it records anything: the stand-in then ends as a watched process ends when the sweep stops.
 """
 
 from __future__ import annotations
@@ -27,10 +28,19 @@ def trial(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbea
     from mlflow.tracking import MlflowClient
 
     from src import tracking
+    from src.handoff import RESULT_FILE, RUN_ENV, TRIAL_ENV
     from src.sweep.process import Outcome
-    from src.trial.handoff import RESULT_FILE, RUN_ENV, TRIAL_ENV
+    from src.sweep.stop import stopping
 
-    number, run_id = int(env[TRIAL_ENV]), env[RUN_ENV]
+    label, run_id = env[TRIAL_ENV], env[RUN_ENV]
+    fault, _, at = os.environ.get(FAULT_ENV, "").partition("@")
+    if label.startswith("soak-") and (fault, at) == ("sigterm", "soak"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stopping.wait(30), "the signal stops the sweep"
+        stopping.count_stopped()  # as src/sweep/process.py records a process it ended for the stop
+        failure = {"kind": "killed", "message": f"{stopping.reason} while this trial ran", "step": None}
+        return Outcome("failed", failure=failure, recorded=False, log_dir=log_dir)
+    number = int(label.removeprefix("soak-"))
     metrics = {"tokens_per_s": 100.0 + number, "peak_vram_reserved_gib": 8.0, "vram_budget_gib": 24.0}
     client = MlflowClient()
     client.update_run(run_id, status="RUNNING")
@@ -40,8 +50,7 @@ def trial(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbea
     result = {"status": "ok", "run_id": run_id, "metrics": metrics, "failure": None, "attention_kernel": None}
     (log_dir / RESULT_FILE).write_text(json.dumps(result))
     client.set_terminated(run_id, "FINISHED")
-    fault, _, at = os.environ.get(FAULT_ENV, "").partition("@")
-    if at and int(at) == number:
+    if at.isdigit() and int(at) == number and not label.startswith("soak-"):
         if fault in ("sigkill", "sigterm"):
             os.kill(os.getpid(), getattr(signal, fault.upper()))
         elif fault == "disk_full":
@@ -63,7 +72,7 @@ def _fill_the_disk() -> None:
 
 def main(overrides: list[str]) -> None:
     from src.config import compose
-    from src.sweep import engine
+    from src.sweep import engine, launch
 
     cfg = compose(
         [
@@ -79,7 +88,7 @@ def main(overrides: list[str]) -> None:
         ],
         hydra_config=True,
     )
-    engine.run_process = trial
+    launch.run_process = trial
     engine.SweepEngine.prepare = lambda self, slot: None
     engine.SweepEngine(cfg, ["lora.r=choice(4,8,16)"]).run()
 

@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 from src import promote, report, tracking
 from src.config import compose, flatten
 from src.promote.experiment import TrialConfig
-from src.report.plots import _cells
+from src.report.plots import map_cells
 from src.report.publish import _TAG_LIMIT, _whole_sentences
 
 BUDGET = 24.0
@@ -161,7 +161,7 @@ def test_a_setting_that_cuts_too_many_answers_is_shown_but_never_promoted(oom_sw
 
 def test_lever_trials_stay_off_the_map_and_the_importances_but_show_in_the_table(oom_sweep: report.Sweep) -> None:
     x, y = "data.max_seq_length", "lora.r"
-    grid, text = _cells(oom_sweep, x, y)
+    grid, text = map_cells(oom_sweep, x, y)
     column, row = [512, 768, 1024].index(1024), [8, 16].index(16)
     assert text[row][column] == "2 oom"  # the recipe and trial 4; its levers (two stable) are not at these knobs
     assert grid[row][column] == 1  # failed's colour

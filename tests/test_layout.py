@@ -1,5 +1,7 @@
-"""The layout holds: every module of src/ says what it owns, no two modules import each other (directly or round a
-loop), and private attributes of other libraries are reached only where no public API exists, each named here."""
+"""The layout holds: every module of src/ says what it owns; no two modules import each other (directly or round a
+loop, an import of `a.b.c` counting as one of the packages `a.b` whose `__init__` it runs); no import runs up a floor
+(FLOORS); no module imports another's private name; and private attributes of other libraries are reached only
+where no public API exists, each named here."""
 
 from __future__ import annotations
 
@@ -23,6 +25,47 @@ PRIVATE_ALLOWED = {
 }
 
 
+# The floors, ground first: a module may import its own floor's modules and those below, never above. A module's
+# floor is the one of its longest prefix here (src.fit.model stands below the rest of src.fit).
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "ground: names and words every floor reads",
+        (
+            "src",
+            "src.record",
+            "src.knobs",
+            "src.failures",
+            "src.redact",
+            "src.config",
+            "src.quiet",
+            "src.gpus",
+            "src.handoff",
+            "src.attention",
+        ),
+    ),
+    ("the stores and the data", ("src.tracking", "src.stores", "src.faults", "src.data", "src.fit.model")),
+    ("the model, its measurement and its checks", ("src.models", "src.measure", "src.preflight")),
+    ("the memory model's fit", ("src.fit",)),
+    ("one trial", ("src.trial",)),
+    ("a study as it is read", ("src.study",)),
+    ("the sweep", ("src.sweep",)),
+    ("the report", ("src.report",)),
+    ("promotion", ("src.promote",)),
+    ("the entry points", ("src.train", "src.cluster")),
+]
+
+
+def floor(module: str) -> int:
+    """The floor of `module`: of its longest prefix in FLOORS."""
+    best = (-1, -1)
+    for number, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                best = max(best, (len(prefix), number))
+    assert best[1] >= 0, f"{module} stands on no floor: add it to FLOORS"
+    return best[1]
+
+
 def _modules() -> dict[str, Path]:
     found = {}
     for path in sorted(SRC.rglob("*.py")):
@@ -32,7 +75,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The src modules `name` imports anywhere in its body (a lazy import inside a function counts too)."""
+    """The src modules `name` imports anywhere in its body (a lazy import inside a function counts too), with the
+    packages whose `__init__` each import runs (those `name` is not inside of: its own package is running)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -41,8 +85,18 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         else:
             continue
-        out |= {t for t in targets if t in modules and t != name}
-    return out
+        for target in targets:
+            parts = target.split(".")
+            out |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    # Its own packages are running already (a module's import of its package, or of a sibling, adds no edge to them)
+    return {t for t in out if t in modules and t != name and not name.startswith(t + ".")}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    # A package's __init__ importing its own modules is no cycle with them: their imports of the package's modules
+    # count no edge back to the package (_imports).
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
 def test_every_module_opens_with_what_it_owns() -> None:
@@ -52,11 +106,7 @@ def test_every_module_opens_with_what_it_owns() -> None:
 
 
 def test_no_import_cycles() -> None:
-    modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    # A package's __init__ re-exporting its own modules is not a cycle with them.
-    for name in graph:
-        graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
+    graph = _graph()
     done: set[str] = set()
 
     def visit(node: str, trail: list[str]) -> None:
@@ -72,6 +122,25 @@ def test_no_import_cycles() -> None:
         visit(name, [])
 
 
+def test_no_import_runs_up_a_floor() -> None:
+    up = [
+        f"{name} (floor {floor(name)}) imports {target} (floor {floor(target)}: {FLOORS[floor(target)][0]})"
+        for name, targets in sorted(_graph().items())
+        for target in sorted(targets)
+        if floor(target) > floor(name)
+    ]
+    assert not up, "imports that run up a floor:\n" + "\n".join(up)
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("src"):
+                found += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name[:1] == "_" != a.name[1:2]]
+    assert not found, f"private names imported from other modules: {found}"
+
+
 def test_private_attributes_of_other_libraries_only_where_no_public_api_exists() -> None:
     used = set()
     for path in _modules().values():
@@ -81,3 +150,18 @@ def test_private_attributes_of_other_libraries_only_where_no_public_api_exists()
                 used.add(ast.unparse(node))
     used = {u for u in used if not any(a != u and a.startswith(u + ".") for a in used)}  # the longest chains
     assert used <= set(PRIVATE_ALLOWED), f"private attributes without a reason: {sorted(used - set(PRIVATE_ALLOWED))}"
+
+
+def test_the_readmes_layout_table_names_every_module() -> None:
+    readme = (PROJECT_DIR / "README.md").read_text()
+    table = readme[readme.index("- Layout (") : readme.index("`hydra_plugins/` registers the sweeper.")]
+    missing = []
+    for name, path in _modules().items():
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts[-1] == "__init__":
+            named = len(parts) == 1 or f"`src/{'/'.join(parts[:-1])}/`" in table
+        else:
+            named = f"`{parts[-1]}`" in table or f"{parts[-1]}.py" in table
+        if not named:
+            missing.append(name)
+    assert not missing, f"modules the README's layout table does not name: {missing}"

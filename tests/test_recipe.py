@@ -94,7 +94,7 @@ def _fake_sweep(monkeypatch: pytest.MonkeyPatch, study: str, process, space: lis
     process (no model is built)."""
     from src.sweep.engine import SweepEngine
 
-    monkeypatch.setattr("src.sweep.engine.run_process", process)
+    monkeypatch.setattr("src.sweep.launch.run_process", process)
     monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
     cfg = compose_cfg(
         ["hydra/sweeper=optuna", f"hydra.sweeper.study_name={study}", "hydra.sweeper.cpu_slots=1"]

@@ -87,6 +87,32 @@ def test_a_trial_that_recorded_itself_before_its_sweeper_died_is_told_what_it_me
         assert "trial 1 had finished (ok) when its sweep worker died: told what its records say" in again.stderr
 
 
+def test_a_sigterm_during_a_soak_leaves_no_run_running_and_the_resume_finishes_the_soak(
+    root: Path, mlflow_client
+) -> None:
+    """Issue 30 finding 10: a soak is launched, stopped and recorded as every trial is (src/sweep/launch.py). A
+    SIGTERM while the finalist soaks ends the sweep with its one line, the soak's run KILLED (it stayed RUNNING for
+    good), and the same command again soaks the finalist to the end."""
+    soak = ["hydra.sweeper.soak_top_k=1"]
+    first = _fake_sweep(root, "soaked", *soak, fault="sigterm@soak")
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
+    assert "the sweep was interrupted (SIGTERM): 1 running trial stopped and recorded as killed" in first.stderr
+    runs = _runs(mlflow_client, "soaked")
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    soaks = [r for r in runs if r.data.tags.get("run.kind") == "soak"]
+    assert [(r.info.status, r.data.tags["failure.kind"]) for r in soaks] == [("KILLED", "killed")]
+    assert _study(root, "soaked").user_attrs["soak.2"]["status"] == "stopped"
+
+    again = _fake_sweep(root, "soaked", *soak)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "soak: trial 2 passed" in again.stdout, again.stdout[-3000:]
+    assert _study(root, "soaked").user_attrs["soak.2"]["status"] == "passed"
+    runs = _runs(mlflow_client, "soaked")
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    assert sorted(r.info.status for r in runs if r.data.tags.get("run.kind") == "soak") == ["FINISHED", "KILLED"]
+
+
 # ---- item 7: a full disk ------------------------------------------------------------------------------------
 
 
@@ -209,8 +235,8 @@ def test_trials_start_in_a_session_of_their_own_without_preexec_fn(root: Path, m
     """preexec_fn can deadlock a child forked from a threaded parent (the engine runs one thread per slot)."""
     from omegaconf import OmegaConf
 
+    from src.handoff import PARENT_ENV
     from src.sweep import process
-    from src.trial.handoff import PARENT_ENV
 
     seen: dict = {}
 
@@ -267,7 +293,7 @@ def test_a_trial_whose_engine_died_before_it_started_exits_at_once(parent: str) 
     """The race a parent-death signal leaves: the engine dies before the trial asks for the signal. The trial
     compares its parent with the one it was started by, and exits if they differ. The variable is its own only:
     what it starts (torchrun's ranks) does not inherit it."""
-    from src.trial.handoff import PARENT_ENV
+    from src.handoff import PARENT_ENV
 
     if parent == "gone":
         gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -275,7 +301,7 @@ def test_a_trial_whose_engine_died_before_it_started_exits_at_once(parent: str) 
     else:
         pid = str(os.getpid())
     code = (
-        "import os; from src.trial.handoff import PARENT_ENV, die_with_parent; die_with_parent();"
+        "import os; from src.handoff import PARENT_ENV, die_with_parent; die_with_parent();"
         "print('alive', os.environ.get(PARENT_ENV))"
     )
     done = subprocess.run(
@@ -309,14 +335,48 @@ def test_a_trial_whose_worker_died_right_after_asking_is_failed_once_the_grace_p
                 "sampler": None,
             }
         )
-        return StudyStore(sweeper, "orphan", tmp_path / "orphan", "host", lambda s, t: None, lambda s, t: False)
+        return StudyStore(sweeper, "orphan", tmp_path / "orphan", "host", lambda s, t: None)
+
+    def recover(store: StudyStore, study: optuna.Study) -> None:  # as the engine settles them, with no records
+        for dead in store.dead(study):
+            store.fail_dead(study, dead, None)
 
     patient = store(3600)
     study = patient.open(["maximize"], {}, ["tokens_per_s"])
     trial = study.ask()  # and its worker dies here
-    patient.recover(study)
+    recover(patient, study)
     assert study.trials[trial.number].state == optuna.trial.TrialState.RUNNING  # young: its worker may be writing
     impatient = store(1)  # another worker, a second's grace period, and that second gone
     time.sleep(1.2)
-    impatient.recover(impatient.open(["maximize"], {}, ["tokens_per_s"]))
+    recover(impatient, impatient.open(["maximize"], {}, ["tokens_per_s"]))
     assert study.trials[trial.number].state == optuna.trial.TrialState.FAIL
+
+
+def test_a_live_worker_is_never_judged_dead_from_its_clocks_rounding(monkeypatch):
+    """Issue 30 finding 12: a process's epoch start time is the kernel's boot time (whole seconds, re-derived from
+    the wall clock) plus its start in ticks, so two reads of one live worker can differ by a whole second. The
+    worker's trial was failed as left by a dead worker while it ran. Read a second apart, it is still alive."""
+    from src.sweep import storage
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for pid in (os.getpid(), other.pid):
+            recorded = storage.worker_identity(pid)
+            real = storage.create_time
+
+            def read_a_second_later(p, since_boot=False, real=real):
+                value = real(p, since_boot)
+                return value if since_boot or value is None else value + 1.0
+
+            monkeypatch.setattr(storage, "create_time", read_a_second_later)
+            assert storage._alive(
+                recorded["worker.pid"], recorded["worker.started"], recorded["worker.started_since_boot"]
+            )
+            # a record of an older worker (no ticks): the same process, a second off, is still alive
+            assert storage._alive(pid, recorded["worker.started"])
+            monkeypatch.setattr(storage, "create_time", real)
+        ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        assert not storage._alive(int(ended.stdout), recorded["worker.started"], recorded["worker.started_since_boot"])
+    finally:
+        other.kill()
+        other.wait()

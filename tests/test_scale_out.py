@@ -213,7 +213,7 @@ def test_a_worker_dead_before_naming_its_run_still_leaves_one_closed_run_per_tri
         trial.set_user_attr("worker.pid", int(dead.stdout))  # a process that has exited
         orphans.append(trial)
     unnamed = engine.runs.child(orphans[0].number, "cpu0")  # created, never set on the trial
-    engine.store.recover(study)
+    engine.recover(study)
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL]
     assert trials[0].user_attrs["mlflow_run_id"] == unnamed
@@ -545,7 +545,7 @@ def test_scale_out_figures(
         client.set_terminated(run_id, "FINISHED")
         return Outcome("ok", metrics={"tokens_per_s": 1.0, "peak_vram_reserved_gib": 1.0})
 
-    monkeypatch.setattr("src.sweep.engine.run_process", recording_only)
+    monkeypatch.setattr("src.sweep.launch.run_process", recording_only)
     monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
 
     def engine(study: str, n: int, *extra: str) -> SweepEngine:

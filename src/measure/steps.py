@@ -18,9 +18,9 @@ import torch
 from transformers import TrainerCallback
 
 from src.failures import NanLossError
+from src.handoff import STARTED_ENV
 from src.measure.flops import FlopCounter
 from src.measure.memory import GIB, HostMemory, NvmlSampler
-from src.trial.handoff import STARTED_ENV
 
 
 def trial_started() -> float:

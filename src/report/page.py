@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from src import redact
 from src.failures import MEMORY, oom_needed_gib
 from src.knobs import label
-from src.report.plots import COLOURS, _cells, _repeat, _values
-from src.report.text import _grid, fmt, share, summary
+from src.report.plots import COLOURS, is_repeat, knob_values, map_cells
+from src.report.text import fmt, share, summary, trial_grid
 from src.study import Sweep, TrialRow, sort_key
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ CLASS_COLOURS = {
     "pruned": "#bdbdbd",
     "running": "#64b5f6",
 }
-_MAP_ORDER = ("untested", "failed", "marginal", "stable")  # plots._cells' colour index
+_MAP_ORDER = ("untested", "failed", "marginal", "stable")  # plots.map_cells' colour index
 _OUTCOME_AXIS = ("failed", "marginal", "stable")  # the parallel-coordinates axis, worst at the bottom
 # The metrics the charts offer, in menu order, with their axis titles.
 _METRICS = {
@@ -107,8 +107,8 @@ def _map(sweep: Sweep, axes: tuple[str | None, str | None]) -> str:
     """The map as a table: one cell per pair of the two map knobs, coloured by the best outcome there (the PNG's
     cells, src.report.plots), every trial at that pair in the cell's tooltip."""
     x, y = axes
-    xs, ys = _values(sweep, x), _values(sweep, y)
-    grid, text = _cells(sweep, x, y)
+    xs, ys = knob_values(sweep, x), knob_values(sweep, y)
+    grid, text = map_cells(sweep, x, y)
     corner = f"{_axis_name(y)} ↓ / {_axis_name(x)} →" if y else f"{_axis_name(x)} →"
     head = f'<th class="corner">{html.escape(corner)}</th>'
     head += "".join(f"<th>{html.escape(fmt(v))}</th>" for v in xs)
@@ -152,7 +152,7 @@ def _memory_figure(sweep: Sweep, x: str | None, metric: str) -> Any:
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    rows = [r for r in sweep.plain_rows() if not _repeat(sweep, r)]
+    rows = [r for r in sweep.plain_rows() if not is_repeat(sweep, r)]
     gpu = metric.startswith("peak_vram") and bool(sweep.budget)
     axis, what = sweep.memory_words() if gpu else (_metric_name(sweep, metric), "")
     for verdict in ("stable", "marginal", "failed"):
@@ -224,7 +224,7 @@ def _parallel_figure(sweep: Sweep, memory_metric: str) -> Any:
     outcome, peak memory and tokens/s; coloured by outcome."""
     import plotly.graph_objects as go
 
-    rows = [r for r in sweep.rows if sweep.effective(r) in _OUTCOME_AXIS and not _repeat(sweep, r)]
+    rows = [r for r in sweep.rows if sweep.effective(r) in _OUTCOME_AXIS and not is_repeat(sweep, r)]
     dims = [_dimension(label(k), [r.params.get(k) for r in rows]) for k in sweep.varying_knobs()]
     if any(r.lever for r in rows):
         dims.append(_dimension("change", [r.change() or "none" for r in rows]))
@@ -252,7 +252,7 @@ def _scatter_figure(sweep: Sweep, memory_metric: str) -> Any:
     switch the axes."""
     import plotly.graph_objects as go
 
-    rows = [r for r in sweep.rows if sweep.effective(r) in ("stable", "marginal") and not _repeat(sweep, r)]
+    rows = [r for r in sweep.rows if sweep.effective(r) in ("stable", "marginal") and not is_repeat(sweep, r)]
     by_class = [(v, [r for r in rows if r.verdict == v]) for v in ("stable", "marginal")]
     by_class = [(v, rs) for v, rs in by_class if rs]
     metrics = [m for m in _METRICS if m != "peak_rss_gib" or memory_metric == m]
@@ -322,7 +322,7 @@ def _scatter_figure(sweep: Sweep, memory_metric: str) -> Any:
 def _trials(sweep: Sweep, memory_metric: str) -> str:
     """Every trial, as the terminal and report.md show it (src.report.text's columns), coloured by class, with its
     peak memory drawn against the budget; a class filter and sortable columns."""
-    headers, cells = _grid(sweep)
+    headers, cells = trial_grid(sweep)
     head = "".join(f'<th data-col="{i}">{html.escape(h)}</th>' for i, h in enumerate(headers))
     head += "<th>peak memory / budget</th><th>MLflow run</th>"
     body = []
@@ -429,7 +429,7 @@ def _x_value(row: TrialRow, knob: str | None) -> Any:
 def _categorical(sweep: Sweep, knob: str | None) -> bool:
     if knob is None or knob not in sweep.knobs:
         return False
-    return not all(isinstance(v, int | float) and not isinstance(v, bool) for v in _values(sweep, knob))
+    return not all(isinstance(v, int | float) and not isinstance(v, bool) for v in knob_values(sweep, knob))
 
 
 def _axis_name(knob: str | None) -> str:

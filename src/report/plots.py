@@ -45,7 +45,7 @@ def map_axes(sweep: Sweep, ranking: dict[str, float]) -> tuple[str | None, str |
     return x, max(rest, key=lambda k: (ranking.get(k, -1.0), values[k], -rest.index(k)))
 
 
-def _values(sweep: Sweep, knob: str | None) -> list[Any]:
+def knob_values(sweep: Sweep, knob: str | None) -> list[Any]:
     if knob is None:
         return [None]
     found = {sort_key(r.params[knob]): r.params[knob] for r in sweep.plain_rows() if knob in r.params}
@@ -59,7 +59,7 @@ def _outcome(sweep: Sweep, row: TrialRow) -> str:
     return f"{verdict} (inferred)" if row.verdict == "skipped" else verdict
 
 
-def _repeat(sweep: Sweep, row: TrialRow) -> bool:
+def is_repeat(sweep: Sweep, row: TrialRow) -> bool:
     """A skipped trial with exactly its origin's setting (params and lever): the map counts that setting once."""
     origin = sweep.row(row.because_of) if row.because_of is not None else None
     return row.verdict == "skipped" and origin is not None and (origin.params, origin.lever) == (row.params, row.lever)
@@ -70,10 +70,10 @@ def _repeat(sweep: Sweep, row: TrialRow) -> bool:
 _ORDER = ["untested", "failed", "marginal", "stable"]  # a cell's colour: the best outcome among its trials
 
 
-def _cells(sweep: Sweep, x: str | None, y: str | None) -> tuple[list[list[int]], list[list[str]]]:
+def map_cells(sweep: Sweep, x: str | None, y: str | None) -> tuple[list[list[int]], list[list[str]]]:
     """Per cell (y row, x column): its colour's index in _ORDER and its text. Lever trials stay out: they sit at
     the recipe's params but are another setting (the trials table and the advice show them)."""
-    xs, ys = _values(sweep, x), _values(sweep, y)
+    xs, ys = knob_values(sweep, x), knob_values(sweep, y)
     grid = [[0] * len(xs) for _ in ys]
     text = [[""] * len(xs) for _ in ys]
     for j, yv in enumerate(ys):
@@ -84,7 +84,7 @@ def _cells(sweep: Sweep, x: str | None, y: str | None) -> tuple[list[list[int]],
                 if (x is None or sort_key(r.params.get(x)) == sort_key(xv))
                 and (y is None or sort_key(r.params.get(y)) == sort_key(yv))
                 and sweep.effective(r) in ("stable", "marginal", "failed")
-                and not _repeat(sweep, r)
+                and not is_repeat(sweep, r)
             ]
             if not cell:
                 text[j][i] = "not run"
@@ -103,8 +103,8 @@ def plot_map(sweep: Sweep, x: str | None, y: str | None, path: Path) -> None:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    xs, ys = _values(sweep, x), _values(sweep, y)
-    grid, text = _cells(sweep, x, y)
+    xs, ys = knob_values(sweep, x), knob_values(sweep, y)
+    grid, text = map_cells(sweep, x, y)
     fig, ax = plt.subplots(figsize=(max(4.5, 1.5 * len(xs) + 1.5), max(2.5, 1.0 * len(ys) + 1.5)))
     ax.imshow(grid, cmap=ListedColormap([COLOURS[o] for o in _ORDER]), vmin=0, vmax=3, aspect="auto")
     for j in range(len(ys)):
@@ -139,7 +139,7 @@ def plot_memory(sweep: Sweep, x: str | None, series: str | None, path: Path) -> 
     metric = "peak_vram_reserved_gib"
     if not any(r.metrics.get(metric) for r in finished):
         metric = "peak_rss_gib"
-    xs = _values(sweep, x)
+    xs = knob_values(sweep, x)
     numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in xs)
     pos = (lambda v: float(v)) if numeric else (lambda v: float(xs.index(v)) if v in xs else 0.0)  # noqa: E731
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
@@ -168,7 +168,7 @@ def _memory_lines(
     import matplotlib.pyplot as plt
 
     cmap = plt.get_cmap("viridis")
-    svals = _values(sweep, series)
+    svals = knob_values(sweep, series)
     for n, sv in enumerate(svals):
         colour = cmap(n / max(1, len(svals) - 1)) if len(svals) > 1 else "#1565c0"
         mine = [r for r in finished if series is None or sort_key(r.params.get(series)) == sort_key(sv)]

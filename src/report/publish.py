@@ -15,7 +15,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from src import redact, tracking
+from src import record, redact, tracking
 from src.report.text import summary
 from src.study import Sweep, TrialRow
 from src.sweep import runs
@@ -75,7 +75,7 @@ def log_to_mlflow(report: Report, tracking_uri: str) -> str | None:
 
 def _trial_tags(row: TrialRow) -> dict[str, Any]:
     """A trial's class, and its name and kind as the report knows them (outcome: the class, or a failure's kind)."""
-    tags: dict[str, Any] = {"report.class": row.verdict, "report.detail": row.detail}
+    tags: dict[str, Any] = {record.REPORT_CLASS: row.verdict, record.REPORT_DETAIL: row.detail}
     if row.verdict == "skipped":
         return {**tags, **runs.skipped_tags(row.number, row.params, _skip_reason(row.detail), row.because_of)}
     outcome = (row.failure_kind or "failed") if row.verdict == "failed" else row.verdict

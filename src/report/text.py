@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from src import redact
-from src.knobs import label
+from src.knobs import fmt, label
 from src.study import Sweep, TrialRow
 
 if TYPE_CHECKING:
@@ -33,15 +33,6 @@ def share(frac: float) -> str:
     if 0 < frac < 0.0005:
         return "<0.1%"
     return f"{frac:.1%}".replace(".0%", "%")
-
-
-def fmt(value: Any) -> str:
-    """A knob's value as the report shows it (booleans and null in YAML's words)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return "-" if value is None else str(value)
 
 
 def _columns(sweep: Sweep) -> list[tuple[str, Callable[[TrialRow], str]]]:
@@ -76,7 +67,7 @@ def _cut_cell(sweep: Sweep, row: TrialRow) -> str:
     return share(cut) + (f" > {share(sweep.max_truncated_answer_frac or 0.0)}" if sweep.cuts_too_much(row) else "")
 
 
-def _grid(sweep: Sweep) -> tuple[list[str], list[list[str]]]:
+def trial_grid(sweep: Sweep) -> tuple[list[str], list[list[str]]]:
     """The table's headers and one row of cells per trial."""
     cols = _columns(sweep)
     return [head for head, _ in cols], [[cell(r) for _, cell in cols] for r in sweep.rows]
@@ -93,7 +84,7 @@ def table(sweep: Sweep) -> Any:
         caption=sweep.shared_card_caption(),
         caption_justify="left",
     )
-    headers, cells = _grid(sweep)
+    headers, cells = trial_grid(sweep)
     for h in headers:
         t.add_column(h, justify="right" if h not in ("change", "class", "detail") else "left")
     for row, line in zip(sweep.rows, cells, strict=True):
@@ -242,7 +233,7 @@ def _importances(imps: list[Importance]) -> list[str]:
 
 def _trials(sweep: Sweep) -> list[str]:
     """Every trial in a table, then the failures grouped by kind with their commonest messages."""
-    out = ["## Trials", "", _md_table(*_grid(sweep)), ""]
+    out = ["## Trials", "", _md_table(*trial_grid(sweep)), ""]
     if any(r.lever for r in sweep.rows):
         out += [
             "change: a lever trial, the recipe's knobs with this override on top (measured because the recipe was "

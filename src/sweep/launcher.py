@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from src.trial.handoff import PARENT_ENV, die_with_parent
+from src.handoff import PARENT_ENV, die_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ tail of its stderr.
 
 A fresh interpreter is started with `start_new_session`, not a `preexec_fn` (which can deadlock a child forked
 from a threaded parent: the engine runs one thread per slot); it asks for its parent-death signal itself, first
-thing (src/trial/handoff.py `die_with_parent`).
+thing (src/handoff.py `die_with_parent`).
 """
 
 from __future__ import annotations
@@ -17,28 +17,20 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from src import record
 from src.failures import classify_exit, first_line
+from src.handoff import PARENT_ENV, PROGRESS_FILE, RESULT_FILE, STARTED_ENV
+from src.record import Outcome
 from src.redact import redact_text
 from src.sweep import launcher
 from src.sweep.stop import stopping
-from src.trial.handoff import PARENT_ENV, PROGRESS_FILE, RESULT_FILE, STARTED_ENV
 
-
-@dataclass
-class Outcome:
-    status: str  # ok | failed
-    metrics: dict[str, float] = field(default_factory=dict)
-    failure: dict[str, Any] | None = None
-    recorded: bool = True  # the trial ended its MLflow run itself
-    attention_kernel: str | None = None
-    log_dir: Path | None = None
-    launcher: str = "interpreter"
+__all__ = ["Outcome", "recorded_outcome", "run_process", "start_launcher", "stop_process_group", "tail"]
 
 
 def tail(path: Path, limit: int = 20000) -> str:
@@ -132,14 +124,7 @@ def recorded_outcome(log_dir: Path, run_id: str | None = None, launcher: str = "
     result = read_json(log_dir / RESULT_FILE)
     if not result or (run_id is not None and result.get("run_id") != run_id):
         return None
-    return Outcome(
-        status=result["status"],
-        metrics=result.get("metrics", {}),
-        failure=result.get("failure"),
-        attention_kernel=result.get("attention_kernel"),
-        log_dir=log_dir,
-        launcher=launcher,
-    )
+    return record.from_result(result, log_dir, launcher)
 
 
 def _stopped(log_dir: Path, how: str, progress: dict[str, Any] | None) -> Outcome:

@@ -13,10 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src import knobs
 from src.config import override_value
-
-RECIPE = "sweep.recipe"  # user attr: True on the user's recipe's trial
-LEVER = "sweep.lever"  # user attr: JSON list of the overrides a lever trial adds to the recipe
-LEVER_OF = "sweep.lever_of"  # user attr: the recipe trial's number
+from src.record import LEVER, LEVER_OF  # a lever trial's overrides (JSON list); the recipe trial's number
 
 
 def lever_overrides(trial: Any) -> list[str]:

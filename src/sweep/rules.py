@@ -19,6 +19,7 @@ read it as the sweep does and the sampler learns what it can:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -26,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.samplers import BaseSampler, BruteForceSampler, GridSampler, QMCSampler, RandomSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
+from src import record
 from src.failures import MEMORY, oom_needed_gib
 from src.knobs import MEMORY_DIRECTIONS
 from src.sweep.recipe import lever_overrides
@@ -61,6 +63,34 @@ def infeasible_state(sampler: BaseSampler) -> TrialState:
 
 def infeasible(record: list[float] | None) -> bool:
     return record is not None and any(v > 0 for v in record)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """The gate's decision not to launch a proposal: `why` the contract's `skip.reason` (repeat | certain_oom |
+    predicted_oom), `reason` in words; `original` the trial that already tells what this setting does (its failure
+    kind and constraint record become the skip's), else `constraints` and `failure_kind` say it."""
+
+    why: str
+    reason: str
+    original: FrozenTrial | None = None
+    constraints: list[float] | None = None
+    failure_kind: str | None = None
+
+
+def predicted_skip(prediction: Any, budget: float) -> Skip:
+    """The memory model puts the setting beyond the budget by more than its own error: its predicted violation is
+    its constraint record, so the sampler learns the region as it would from an OOM."""
+    reason = (
+        f"predicted oom: {prediction.device_gib:.1f} GiB on the card (model error ±{prediction.error:.0%}) "
+        f"for a {budget:g} GiB budget"
+    )
+    return Skip(
+        "predicted_oom",
+        reason,
+        constraints=constraint_record(vram_budget=prediction.device_gib / budget - 1),
+        failure_kind="oom",
+    )
 
 
 def constraint_record(vram_budget: float = 0.0, valid_setting: float = 0.0) -> list[float]:
@@ -108,7 +138,7 @@ class LaunchRules:
                 t.number != trial.number
                 and t.params == trial.params
                 and lever_overrides(t) == lever_overrides(trial)
-                and t.user_attrs.get("trial.status") in ("ok", "failed")
+                and record.status(t.user_attrs) in ("ok", "failed")
             ):
                 return t
         return None
@@ -125,7 +155,7 @@ class LaunchRules:
             return None
         proposal = trial.params
         for t in study.get_trials(deepcopy=False, states=TOLD):
-            if t.user_attrs.get("failure.kind") not in MEMORY or t.user_attrs.get("trial.status") != "failed":
+            if record.recorded_kind(t.user_attrs) not in MEMORY or record.status(t.user_attrs) != "failed":
                 continue
             if set(t.params) != set(proposal) or lever_overrides(t) != lever_overrides(trial):
                 continue  # a lever changes a knob outside the params: only the same lever compares

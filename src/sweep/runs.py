@@ -17,16 +17,16 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
-from src import knobs, tracking
+from src import knobs, record, tracking
 from src.failures import first_line
-from src.sweep.process import Outcome
+from src.record import RUN_KIND as KIND  # what a run of a study's experiment is: sweep | trial | skipped | soak
+from src.record import Outcome
 
 log = logging.getLogger(__name__)
 
-KIND = "run.kind"  # what a run of a study's experiment is: sweep (the parent) | trial | skipped
 # The columns of the experiment's saved view: the metrics a stability map is read by (the knobs come first).
 KEY_METRICS = ("tokens_per_s", "peak_vram_reserved_gib", "vram_headroom_frac", "peak_rss_gib", "step_time_s")
-KEY_TAGS = ("report.class", "report.detail", "failure.kind", "skip.reason")
+KEY_TAGS = (record.REPORT_CLASS, record.REPORT_DETAIL, record.FAILURE_KIND, record.SKIP_REASON)
 VIEW_NAME = "stability sweep: knobs, outcome, memory, speed"
 
 
@@ -46,7 +46,7 @@ class SweepRuns:
             parent = self.client.create_run(
                 self.experiment_id,
                 run_name=sweep_name(self.study_name),
-                tags={"optuna.study": self.study_name, "sweep.role": "parent", KIND: "sweep"},
+                tags={record.OPTUNA_STUDY: self.study_name, record.ROLE: "parent", KIND: "sweep"},
             ).info.run_id
         else:
             self.client.update_run(parent, status="RUNNING")
@@ -76,11 +76,27 @@ class SweepRuns:
             self.experiment_id,
             run_name=trial_name(number, params or {}),
             tags={
-                "mlflow.parentRunId": self.parent,
-                "optuna.study": self.study_name,
-                "optuna.trial": str(number),
-                "sweep.slot": slot,
+                record.PARENT_RUN: self.parent,
+                record.OPTUNA_STUDY: self.study_name,
+                record.OPTUNA_TRIAL: str(number),
+                record.SLOT: slot,
                 KIND: "trial",
+            },
+        )
+        return run.info.run_id
+
+    def soak(self, number: int, slot: str) -> str:
+        """The run of trial `number`'s soak (src/sweep/soak.py), under the sweep's parent run."""
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"soak-trial-{number:03d}",
+            tags={
+                record.PARENT_RUN: self.parent,
+                record.OPTUNA_STUDY: self.study_name,
+                record.SOAK_OF_TRIAL: str(number),
+                record.ROLE: "soak",
+                KIND: "soak",
+                record.SLOT: slot,
             },
         )
         return run.info.run_id
@@ -106,21 +122,9 @@ class SweepRuns:
             run = self.client.get_run(run_id)
         except Exception:  # noqa: BLE001 - gone or unreachable: no record to go by
             return None
-        tags = run.data.tags
-        status = tags.get("trial.status")
-        if run.info.status not in ("FINISHED", "FAILED", "KILLED") or status not in ("ok", "failed"):
+        if run.info.status not in ("FINISHED", "FAILED", "KILLED"):
             return None
-        failure = None
-        if status == "failed":
-            step = tags.get("failure.step")
-            failure = {
-                "kind": tags.get("failure.kind", "other"),
-                "message": tags.get("failure.message", ""),
-                "step": int(step) if step and step.isdigit() else None,
-            }
-        launcher = tags.get("trial.launcher", "unknown")
-        metrics = dict(run.data.metrics)
-        return Outcome(status, metrics, failure, attention_kernel=tags.get("attention.kernel"), launcher=launcher)
+        return record.from_tags(run.data.tags, run.data.metrics)
 
     def end(self, run_id: str, status: str) -> None:
         """End a run its trial recorded but did not end (killed between its result file and its run's end)."""
@@ -131,7 +135,7 @@ class SweepRuns:
         """The run of a trial whose worker died, closed as KILLED (created if the worker died before making it).
         A FINISHED run too, when Optuna's own stale-trial machinery failed the trial before its records were read:
         Optuna holds it as killed, and MLflow must say the same; a FAILED run keeps the trial's own failure."""
-        run_id = trial.user_attrs.get("mlflow_run_id")
+        run_id = trial.user_attrs.get(record.RUN_ID)
         if run_id is None:
             run_id = next(iter(self.of_trial(trial.number)), None) or self.child(trial.number, "unknown")
         if self.client.get_run(run_id).info.status in ("RUNNING", "FINISHED"):
@@ -210,9 +214,7 @@ def view_address(tracking_uri: str, experiment_id: str, key: str) -> str:
 
 def setting_words(params: dict[str, Any], lever: list[str] | tuple[str, ...] = ()) -> str:
     """A setting in the report's words: the knobs' short labels in registry order, a lever's overrides after."""
-    from src.report.text import fmt  # here, not at the top: src.report imports this module
-
-    words = [f"{knobs.label(k)}={fmt(params[k])}" for k in knobs.ordered(set(params))]
+    words = [f"{knobs.label(k)}={knobs.fmt(params[k])}" for k in knobs.ordered(set(params))]
     for override in lever:
         key, _, value = override.partition("=")
         words.append(f"+{knobs.label(key.lstrip('+~'))}={value}")

@@ -18,22 +18,25 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import optuna
 from omegaconf import OmegaConf
 
-from src import tracking
+from src import record, tracking
 from src.config import override_value
+from src.record import Outcome
 from src.study import Sweep, TrialRow
-from src.sweep.process import Outcome, run_process
+from src.sweep.launch import launch
 from src.sweep.slots import Slot
 from src.sweep.stop import stopping
-from src.trial.handoff import RUN_ENV, TRIAL_ENV
 
 log = logging.getLogger(__name__)
-KEY = "soak.{}"
+KEY = record.SOAK
+# A soak the sweep's stop ended: its record says so, and the next run of the sweep soaks that finalist again.
+STOPPED = "stopped"
 # The soak trains until both: one epoch and the minutes; the epoch count only bounds it (the learning-rate
 # schedule then stretches over it, which moves no memory).
 EPOCHS_BOUND = 1000
@@ -52,8 +55,50 @@ def overrides(row: TrialRow, fixed: list[str], minutes: float) -> list[str]:
 
 
 def pending(study: optuna.Study, sweep: Sweep, top_k: int) -> list[TrialRow]:
-    """The finalists not soaked (or being soaked) yet."""
-    return [r for r in sweep.ranked()[:top_k] if KEY.format(r.number) not in study.user_attrs]
+    """The finalists not soaked (or being soaked) yet: never soaked, or soaked until the sweep was stopped."""
+    return [
+        r
+        for r in sweep.ranked()[:top_k]
+        if study.user_attrs.get(KEY.format(r.number), {"status": STOPPED}).get("status") == STOPPED
+    ]
+
+
+def finalists(
+    study: optuna.Study,
+    store: Any,
+    classified: Callable[[], Sweep],
+    sweeper: Any,
+    slots: list[Slot],
+    fixed: list[str],
+    runs: Any,
+    budget: float,
+) -> None:
+    """The last worker out soaks the finalists not soaked yet (claimed under the study's lock, so another worker
+    finishing now does not soak them too); a re-run of a complete study soaks what was left."""
+    top_k = int(sweeper.soak_top_k)
+    if top_k <= 0:
+        return
+    with store.lock():
+        if store.others_running(study):
+            return
+        sweep = classified()
+        rows = pending(study, sweep, top_k)
+        if not sweep.ranked():
+            print("soak: no setting to soak (none is stable within the truncation policy)", flush=True)
+        for row in rows:
+            study.set_user_attr(KEY.format(row.number), {"status": "running"})
+    if not rows:
+        return
+    print(
+        f"soak: trial(s) {', '.join(str(r.number) for r in rows)} train at least one epoch and "
+        f"{float(sweeper.soak_minutes):g} min each (logs: {sweep.study_dir / 'soak'})",
+        flush=True,
+    )
+    with stopping.workers_running():  # a signal ends the soaks' processes and records them (like the trials)
+        done = run(study, sweep, rows, slots, fixed, runs, sweeper, budget)
+    for soaked in done:
+        if soaked["status"] != STOPPED:
+            print(f"soak: trial {soaked['trial']} {soaked['status']}: {soaked['detail']}", flush=True)
 
 
 def run(
@@ -66,7 +111,9 @@ def run(
     sweeper: Any,
     budget: float,
 ) -> list[dict[str, Any]]:
-    """Soak `rows`, one per slot at a time; returns their records (also on the study and the runs)."""
+    """Soak `rows`, one per slot at a time; returns their records (also on the study and the runs). Called while
+    the sweep's stop waits for its workers (`stopping.workers_running`): a signal ends the soaks' processes, which
+    are recorded as stopped (their runs KILLED) and soaked again by the next run."""
     minutes = float(sweeper.soak_minutes)
     # Generous: the soak stops itself at one epoch and `minutes`; the timeout only catches a hang's slow cousin.
     limits = OmegaConf.merge(sweeper, {"trial_timeout_s": max(float(sweeper.trial_timeout_s), minutes * 180 + 1800)})
@@ -88,7 +135,8 @@ def run(
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        while t.is_alive():
+            t.join(timeout=0.5)  # short waits: a signal's handler runs in this thread between them
     return results
 
 
@@ -103,33 +151,25 @@ def soak_one(
     budget: float,
     minutes: float,
 ) -> dict[str, Any]:
+    """One finalist's soak, launched as every trial is (src/sweep/launch.py), its run made by the sweep's runs."""
     study.set_user_attr(KEY.format(row.number), {"status": "running", "slot": slot.name, "started": time.time()})
-    run_id = runs.client.create_run(
-        runs.experiment_id,
-        run_name=f"soak-trial-{row.number:03d}",
-        tags={
-            "mlflow.parentRunId": runs.parent,
-            "optuna.study": sweep.name,
-            "soak.of_trial": str(row.number),
-            "sweep.role": "soak",
-            "run.kind": "soak",
-            "sweep.slot": slot.name,
-        },
-    ).info.run_id
+    run_id = runs.soak(row.number, slot.name)
     log_dir = log_dir_of(sweep, row.number)
-    env = {**slot.env, RUN_ENV: run_id, TRIAL_ENV: f"soak-{row.number}"}
     log.info("soaking trial %d on %s: at least one epoch and %g minutes (%s)", row.number, slot.name, minutes, log_dir)
     started = time.time()
-    outcome = run_process(overrides(row, fixed, minutes), log_dir, env, limits)
-    if not outcome.recorded:
-        tracking.close_failed(runs.client, run_id, outcome.failure, status="FAILED")
-    record = judge(outcome, row, runs.client, run_id, budget, sweep.margin, time.time() - started)
-    study.set_user_attr(KEY.format(row.number), record)
-    tracking.set_tags(runs.client, run_id, {"soak.status": record["status"]})
+    outcome = launch(runs, limits, slot, f"soak-{row.number}", overrides(row, fixed, minutes), log_dir, run_id, budget)
+    if stopping.is_set() and outcome.failure and outcome.failure["kind"] == "killed":
+        # ended by the sweep's stop: it says nothing of the setting, and the next run soaks it again
+        stopped = {"trial": row.number, "run_id": run_id, "status": STOPPED, "detail": outcome.failure["message"]}
+        study.set_user_attr(KEY.format(row.number), stopped)
+        return stopped
+    soaked = judge(outcome, row, runs.client, run_id, budget, sweep.margin, time.time() - started)
+    study.set_user_attr(KEY.format(row.number), soaked)
+    tracking.set_tags(runs.client, run_id, {record.SOAK_STATUS: soaked["status"]})
     if row.run_id:
-        tracking.set_tags(runs.client, row.run_id, {"soak.status": record["status"], "soak.run_id": run_id})
-    log.info("soak of trial %d: %s (%s)", row.number, record["status"], record["detail"])
-    return record
+        tracking.set_tags(runs.client, row.run_id, {record.SOAK_STATUS: soaked["status"], record.SOAK_RUN_ID: run_id})
+    log.info("soak of trial %d: %s (%s)", row.number, soaked["status"], soaked["detail"])
+    return soaked
 
 
 def judge(

@@ -24,20 +24,20 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from src.study import STALE_KIND, STALE_MESSAGE, retried_numbers, study_storage
-from src.sweep.recipe import LEVER
+from src import record
+from src.record import DEAD_WORKER, LEVER, WORKER_HOST, WORKER_PID, retried_numbers
+from src.study import study_storage
 from src.sweep.rules import CONSTRAINTS, CONSTRAINTS_KEY
 
 log = logging.getLogger(__name__)
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-# What a trial whose worker died is told: in its user attrs while it can take them, on its MLflow run always.
-DEAD_WORKER = {"kind": STALE_KIND, "message": STALE_MESSAGE, "step": None}
+# What a trial whose worker died is told (record.DEAD_WORKER): in its user attrs while it can take them, on its
+# MLflow run always.
 
-# Called with (study, trial) for each trial whose worker died, to close its MLflow run; returns the run's id.
+# Called with (study, trial) for each trial Optuna's stale-trial machinery failed, to close its MLflow run; returns
+# the run's id.
 OnDead = Callable[[optuna.Study, FrozenTrial], str | None]
-# Called first: tells the trial what its own records say it measured, if they say it finished (True).
-FromRecords = Callable[[optuna.Study, FrozenTrial], bool]
 
 
 class StudyStore:
@@ -48,14 +48,12 @@ class StudyStore:
         study_dir: Path,
         host: str,
         on_dead: OnDead,
-        from_records: FromRecords,
     ) -> None:
         self.sweeper = sweeper
         self.study_name = study_name
         self.study_dir = study_dir
         self.host = host
         self.on_dead = on_dead
-        self.from_records = from_records
         self._lock_engine: sqlalchemy.Engine | None = None
         self.storage: optuna.storages.RDBStorage | None = None
         self.study_id: int | None = None
@@ -193,39 +191,39 @@ class StudyStore:
         return [
             t
             for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if (t.user_attrs.get("worker.host"), t.user_attrs.get("worker.pid")) != me
+            if (t.user_attrs.get(WORKER_HOST), t.user_attrs.get(WORKER_PID)) != me
         ]
 
     # -- recovery --
 
-    def recover(self, study: optuna.Study) -> None:
-        """Settle trials whose worker is gone: on any host, its heartbeat expired (Optuna's rule); on this host, its
-        process is dead (no need to wait for the heartbeat). Each is told from its own records if they say it
-        finished (`from_records`), else failed as killed while still running (Optuna freezes a finished trial,
-        so what it died of is written first)."""
+    def dead(self, study: optuna.Study) -> list[FrozenTrial]:
+        """Running trials whose worker is gone: on any host, its heartbeat expired (Optuna's rule); on this host, its
+        process is dead (no need to wait for the heartbeat). The caller settles each (told from its own records if
+        they say it finished, else `fail_dead`) while still running: Optuna freezes a finished trial."""
         stale = self._stale_numbers()
+        found = []
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            here = t.user_attrs.get("worker.host") == self.host
+            here = t.user_attrs.get(WORKER_HOST) == self.host
             # Asked, then its worker died before writing who runs it and a first heartbeat (they are written under
             # the study's lock right after the ask): no heartbeat will ever expire, so age alone tells.
-            orphan = "worker.pid" not in t.user_attrs and _older_than(t.datetime_start, self.sweeper.grace_period_s)
-            dead = (
-                t.number in stale
-                or orphan
-                or (here and not _alive(t.user_attrs.get("worker.pid"), t.user_attrs.get("worker.started")))
-            )
-            if not dead or self.from_records(study, t):
-                continue
-            run_id = self.on_dead(study, t)
-            attrs = {f"failure.{k}": v for k, v in DEAD_WORKER.items() if v is not None}
-            attrs["trial.status"] = "failed"
-            if run_id and "mlflow_run_id" not in t.user_attrs:
-                attrs["mlflow_run_id"] = run_id
-            self.set_attrs(t.number, attrs)
-            if self.storage.set_trial_state_values(self.trial_id(t.number), TrialState.FAIL):
-                self._requeue(study, t)
-        # Optuna's own machinery, for a heartbeat that expired since the look above (it fails first, then calls
-        # `_stale`): milliseconds against a grace period, but no trial is ever left running for ever.
+            orphan = WORKER_PID not in t.user_attrs and _older_than(t.datetime_start, self.sweeper.grace_period_s)
+            if t.number in stale or orphan or (here and not _alive_worker(t)):
+                found.append(t)
+        return found
+
+    def fail_dead(self, study: optuna.Study, trial: FrozenTrial, run_id: str | None) -> None:
+        """A dead worker's trial that its records do not tell: failed as killed (what it died of written first),
+        `run_id` its closed MLflow run; queued again if asked."""
+        attrs = record.outcome_tags("failed", DEAD_WORKER)
+        if run_id and record.RUN_ID not in trial.user_attrs:
+            attrs[record.RUN_ID] = run_id
+        self.set_attrs(trial.number, attrs)
+        if self.storage.set_trial_state_values(self.trial_id(trial.number), TrialState.FAIL):
+            self._requeue(study, trial)
+
+    def fail_stale(self, study: optuna.Study) -> None:
+        """Optuna's own machinery, for a heartbeat that expired since `dead` looked (it fails first, then calls
+        `_stale`): milliseconds against a grace period, but no trial is ever left running for ever."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
@@ -247,7 +245,7 @@ class StudyStore:
 
     def _requeue(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if self.sweeper.retry_failed_trials:
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+            study.enqueue_trial(trial.params, user_attrs={record.RETRY_OF: trial.number})
         log.warning("trial %d was left running by a dead worker: failed (killed)", trial.number)
 
 
@@ -257,13 +255,28 @@ def lock_key(study_name: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-def create_time(pid: int) -> float | None:
+def create_time(pid: int, since_boot: bool = False) -> float | None:
+    """When process `pid` started: seconds since the epoch, or (`since_boot`) since the machine booted. The epoch
+    figure is the kernel's boot time (whole seconds, re-derived from the wall clock on each read) plus the process's
+    start in clock ticks since boot, so two reads of one process may differ by a second; the since-boot figure is
+    the ticks alone and never moves."""
     try:
         import psutil
 
-        return psutil.Process(pid).create_time()
+        return (
+            psutil.Process(pid).create_time(monotonic=since_boot) if since_boot else psutil.Process(pid).create_time()
+        )
     except Exception:
         return None
+
+
+def worker_identity(pid: int) -> dict[str, Any]:
+    """What a worker records on the trials it runs, so that a worker on the same host can tell whether it lives."""
+    return {
+        WORKER_PID: pid,
+        record.WORKER_STARTED: create_time(pid),
+        record.WORKER_STARTED_SINCE_BOOT: create_time(pid, since_boot=True),
+    }
 
 
 def _older_than(started: Any, seconds: float) -> bool:
@@ -271,8 +284,27 @@ def _older_than(started: Any, seconds: float) -> bool:
     return started is not None and (datetime.now() - started).total_seconds() > float(seconds)
 
 
-def _alive(pid: int | None, started: float | None) -> bool:
+# An epoch start time read twice of one process differs by up to a second (create_time); a reused pid's process
+# started later than that by far (the pid space wraps around first).
+_EPOCH_SLACK_S = 2.0
+
+
+def _alive_worker(trial: FrozenTrial) -> bool:
+    a = trial.user_attrs
+    return _alive(a.get(WORKER_PID), a.get(record.WORKER_STARTED), a.get(record.WORKER_STARTED_SINCE_BOOT))
+
+
+def _alive(pid: int | None, started: float | None, since_boot: float | None = None) -> bool:
+    """Whether the worker process `pid` that recorded these start times still runs (on this host): the same process
+    when its start, in clock ticks since boot, is the one recorded. Older records hold only the epoch figure, read
+    with a second's rounding either way: this process is then alive by definition, another within the slack."""
     if pid is None:
         return False
+    if since_boot is not None:
+        ticks = create_time(int(pid), since_boot=True)
+        if ticks is not None:
+            return abs(ticks - float(since_boot)) < 0.05
+    if int(pid) == os.getpid():
+        return True
     created = create_time(int(pid))
-    return created is not None and (started is None or abs(created - started) < 1.0)
+    return created is not None and (started is None or abs(created - float(started)) < _EPOCH_SLACK_S)

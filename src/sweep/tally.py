@@ -11,8 +11,9 @@ from typing import Any
 import optuna
 from omegaconf import DictConfig
 
+from src import record
+from src.record import failure_kind, retried_numbers
 from src.redact import redact_text
-from src.study import failure_kind, retried_numbers
 from src.sweep.storage import FINISHED
 
 
@@ -36,7 +37,7 @@ class Tally:
             if t.state not in FINISHED or t.number in retried:
                 continue
             self.counts["finished"] += 1
-            status = t.user_attrs.get("trial.status")
+            status = record.status(t.user_attrs)
             if status == "skipped":
                 self.counts["skipped"] += 1
             elif status == "ok":

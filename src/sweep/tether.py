@@ -7,6 +7,6 @@ results for a sweep that was gone. Tethered, a SIGKILLed engine takes the forkse
 once. The engine names itself in PARENT_ENV while it starts the forkserver, from its main thread (the signal follows
 the thread that forked: a slot's thread ends before the engine does)."""
 
-from src.trial.handoff import die_with_parent
+from src.handoff import die_with_parent
 
 die_with_parent()

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from src import redact, tracking
 from src.config import to_container
 from src.failures import Failure, classify_exception, first_line
-from src.trial.handoff import RESULT_FILE
+from src.handoff import RESULT_FILE
 from src.trial.single import failure_of, log_config, open_run, record, train
 
 

@@ -17,10 +17,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from src import record as rec
 from src import stores, tracking
 from src.config import to_container
 from src.failures import ConfigError, DataError, Failure, classify_exception, first_line, oom_request_gib
-from src.trial.handoff import PROGRESS_FILE, RESULT_FILE, RUN_ENV
+from src.handoff import PROGRESS_FILE, RESULT_FILE, RUN_ENV
 
 HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")  # what Hydra saves under <run dir>/.hydra/
 
@@ -282,23 +283,14 @@ def record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Failu
     tracking.log_metrics(client, run_id, metrics)
     if meas:
         _log_series(client, run_id, meas)
-    tags: dict[str, Any] = {"trial.status": "failed" if failure else "ok"}
+    status = "failed" if failure else "ok"
+    tags: dict[str, Any] = rec.outcome_tags(status, failure.as_dict() if failure else None)
     if "attention" in state:
-        tags["attention.kernel"] = state["attention"].tag
+        tags[rec.ATTENTION_KERNEL] = state["attention"].tag
     elif state.get("attention_tag"):
-        tags["attention.kernel"] = state["attention_tag"]
-    if failure:
-        tags.update({"failure.kind": failure.kind, "failure.message": failure.message, "failure.step": failure.step})
-        if failure.rank is not None:
-            tags["failure.rank"] = failure.rank
+        tags[rec.ATTENTION_KERNEL] = state["attention_tag"]
     tracking.set_tags(client, run_id, tags)
-    result = {
-        "status": "failed" if failure else "ok",
-        "run_id": run_id,
-        "metrics": metrics,
-        "failure": failure.as_dict() if failure else None,
-        "attention_kernel": tags.get("attention.kernel"),
-    }
+    result = rec.result_of(status, run_id, metrics, failure, tags.get(rec.ATTENTION_KERNEL))
     (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
     client.set_terminated(run_id, "FAILED" if failure else "FINISHED")
     return result

@@ -1,0 +1,73 @@
+"""One way to launch a trial's process, for every trial the sweep runs (the map's, the recipe's levers, the
+soak's): its slot's environment and its MLflow run handed over, its heartbeat kept while it runs, the same trial
+once more with CUDA_LAUNCH_BLOCKING=1 after a sticky CUDA error, and its MLflow run ended where the process could
+not end it (KILLED when the sweep's stop or a watchdog ended it, FAILED otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from src import record, tracking
+from src.failures import STICKY_CUDA
+from src.handoff import RUN_ENV, TRIAL_ENV
+from src.record import Outcome
+from src.sweep.process import run_process, tail
+from src.sweep.slots import Slot
+
+
+def launch(
+    runs: Any,
+    sweeper: Any,
+    slot: Slot,
+    label: str,
+    overrides: list[str],
+    log_dir: Path,
+    run_id: str,
+    budget: float,
+    heartbeat: Callable[[], None] | None = None,
+) -> Outcome:
+    """Run the trial's process on `slot` for MLflow run `run_id` (`label`: the trial's number, or `soak-<number>`)
+    and say how it ended; its run is ended whatever happened to the process."""
+    env = {**slot.env, RUN_ENV: run_id, TRIAL_ENV: label}
+    outcome = run_process(overrides, log_dir, env, sweeper, heartbeat)
+    tracking.set_tags(runs.client, run_id, {record.LAUNCHER: outcome.launcher})
+    if outcome.failure and outcome.failure["kind"] in STICKY_CUDA and sweeper.launch_blocking_rerun:
+        outcome = rerun_launch_blocking(runs, sweeper, overrides, log_dir, env, run_id, outcome, heartbeat)
+    if not outcome.recorded:
+        tracking.log_text(runs.client, run_id, tail(log_dir / "stderr.log"), "stderr_tail.txt")
+        tracking.log_metrics(runs.client, run_id, {**outcome.metrics, "vram_budget_gib": budget})
+        status = "KILLED" if outcome.failure["kind"] in record.KILLED_KINDS else "FAILED"
+        tracking.close_failed(runs.client, run_id, outcome.failure, status=status)
+    return outcome
+
+
+def rerun_launch_blocking(
+    runs: Any,
+    sweeper: Any,
+    overrides: list[str],
+    log_dir: Path,
+    env: dict[str, str],
+    run_id: str,
+    first: Outcome,
+    heartbeat: Callable[[], None] | None,
+) -> Outcome:
+    """The seed answer's first step, automated: the same trial once more with CUDA_LAUNCH_BLOCKING=1, so the
+    recorded stack points at the kernel that failed. The first attempt's kind stays the trial's."""
+    second = run_process(
+        overrides, log_dir / "launch_blocking", {**env, "CUDA_LAUNCH_BLOCKING": "1"}, sweeper, heartbeat
+    )
+    second_kind = second.failure["kind"] if second.failure else "none (passed)"
+    tags = {
+        **record.failed_tags({k: first.failure.get(k) for k in ("kind", "message", "step")}),
+        record.LAUNCH_BLOCKING_KIND: second_kind,
+        record.LAUNCH_BLOCKING_MESSAGE: second.failure["message"] if second.failure else "",
+    }
+    tracking.set_tags(runs.client, run_id, tags)
+    if second.recorded:
+        runs.client.set_terminated(run_id, "FAILED")
+    first.recorded = first.recorded and second.recorded
+    first.failure["launch_blocking_kind"] = second_kind
+    return first
