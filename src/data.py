@@ -31,6 +31,10 @@ FORMATS = "xlsx|csv|jsonl|parquet"
 
 def load_table(data_cfg: Any) -> pd.DataFrame:
     """Read the data file; a missing file, unknown format or missing column names the key to fix."""
+    max_rows = data_cfg.get("max_rows")
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+        # 0 read as "no limit" and -1 as "all but the last row" (pandas' head)
+        raise DataError(f"data.max_rows={max_rows}: must be at least 1 (or null: every row)")
     path = Path(data_cfg.path)
     if path.is_dir():
         raise DataError(_a_directory(path))

@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.margin is not None and not 0 <= args.margin < 1:
+        p.error(f"--margin {args.margin:g}: a share of the budget, from 0 up to (not including) 1, e.g. 0.10")
     where = places(args.tracking_uri)
     model = args.registered_model or where.registered_model
     tracking_key = "--tracking-uri" if args.tracking_uri else "tracking.uri"
