@@ -77,7 +77,7 @@ def test_fit_refuses_a_card_below_zero_and_a_model_file_without_the_models_keys(
 
 
 @pytest.mark.parametrize("command", ["src.report", "src.promote"])
-@pytest.mark.parametrize("margin", ["-1", "1.5"])
+@pytest.mark.parametrize("margin", ["-1", "1.01"])
 def test_report_and_promote_refuse_a_margin_outside_zero_to_one(
     root: Path, capsys: pytest.CaptureFixture, command: str, margin: str
 ) -> None:

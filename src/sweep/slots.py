@@ -34,7 +34,7 @@ def check_values(sweeper: DictConfig) -> None:
         "trial_timeout_s": (lambda v: v > 0, "seconds, more than 0"),
         "stall_timeout_s": (lambda v: v > 0, "seconds, more than 0"),
         "heartbeat_interval_s": (lambda v: v >= 1, "seconds, at least 1"),
-        "headroom_margin": (lambda v: 0 <= v < 1, "a share of the budget, from 0 up to (not including) 1, e.g. 0.10"),
+        "headroom_margin": (lambda v: 0 <= v <= 1, "a share of the budget, from 0 to 1, e.g. 0.10"),
         "soak_top_k": (lambda v: v >= 0, "at least 0 (0: no soak)"),
         "soak_minutes": (lambda v: v >= 0, "minutes, at least 0"),
     }
