@@ -48,6 +48,8 @@ def load_table(data_cfg: Any) -> pd.DataFrame:
         df = reader(path, data_cfg.sheet)
     except DataError:
         raise
+    except UnicodeDecodeError as exc:
+        raise DataError(not_utf8(path, exc)) from None
     except Exception as exc:  # a corrupt file is a data problem, whatever the parser raised
         raise DataError(f"data.path: cannot read {path}: {exc}") from exc
     for key in ("input_column", "output_column"):
@@ -59,6 +61,40 @@ def load_table(data_cfg: Any) -> pd.DataFrame:
     # Row numbers as a person sees them in the sheet (header is row 1).
     df.index = pd.RangeIndex(2, len(df) + 2, name="row")
     return df
+
+
+def not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
+    """What a file that is not UTF-8 gets: where its first byte that is not (line as an editor counts, byte offset
+    in the file), and how to re-save it. The file is read again in blocks to find it: the parser's own position is
+    one of its buffer's."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, line, shown = 0, 1, ""
+    with path.open("rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            kept = len(decoder.getstate()[0])  # the previous block's unfinished character, decoded with this one
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as bad:
+                at = offset - kept + bad.start
+                line += block[: max(0, at - offset)].count(b"\n")
+                offset = at
+                f.seek(at)
+                shown = f" (0x{f.read(1)[0]:02x})"
+                break
+            if not block:  # no byte it cannot read (not expected: the parser found one)
+                offset = exc.start
+                break
+            offset += len(block)
+            line += block.count(b"\n")
+    spreadsheet = "a spreadsheet's Save As, CSV UTF-8, or " if path.suffix.lower() == ".csv" else ""
+    return (
+        f"data.path: {path} is not UTF-8: line {line}, byte {offset}{shown} is not a UTF-8 character ({exc.reason}); "
+        f"re-save the file as UTF-8 ({spreadsheet}`iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}` "
+        "for a Latin-1 / Windows file)"
+    )
 
 
 def read_jsonl(path: Path) -> pd.DataFrame:
