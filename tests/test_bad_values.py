@@ -87,3 +87,33 @@ def test_report_and_promote_refuse_a_margin_outside_zero_to_one(
     with pytest.raises(SystemExit) as exit_:
         main(["--margin", margin])
     assert exit_.value.code == 2 and f"--margin {float(margin):g}: a share of the budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["a/../../../escape", "my study", "../up", ".hidden"])
+def test_a_study_name_that_is_not_one_plain_word_is_refused_before_anything_is_written(
+    tmp_path: Path, name: str
+) -> None:
+    """`hydra.sweeper.study_name=a/../../../escape` made a lock file outside the project and a name with a space
+    failed every trial as "other" (#30.17): refused in one line naming the key, nothing written anywhere."""
+    from tests.conftest import run_cli
+
+    root = tmp_path / "project" / "root"
+    root.mkdir(parents=True)
+    done = run_cli("src.train", "-m", "hydra/sweeper=optuna", f"hydra.sweeper.study_name={name}", root=root)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: hydra.sweeper.study_name={name!r}: a study's name is one word"), done.stderr
+    assert "Traceback" not in done.stderr
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["project", "project/root"]
+
+
+def test_report_and_promote_refuse_a_study_name_that_leaves_the_sweeps_folder(
+    root: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from src.promote.__main__ import main as promote
+    from src.report.__main__ import main as report
+
+    for main in (report, promote):
+        with pytest.raises(SystemExit) as exit_:
+            main(["../../etc"])
+        assert exit_.value.code == 2 and "study='../../etc': a study's name is one word" in capsys.readouterr().err

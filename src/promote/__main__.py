@@ -13,6 +13,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from src import redact, stores, tracking
+from src.config import study_name_problem
 from src.promote.choosing import ALLOW_UNSOAKED, NotPromotable, choose
 from src.promote.experiment import DEFAULT_EXPERIMENT_FILE, header, plan, trial_config
 from src.promote.registry import ALIAS, register, registry_state
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = _parser()
     args = p.parse_args(argv)
+    if args.study is not None and (why := study_name_problem(args.study, "study")):
+        p.error(why)
     if args.margin is not None and not 0 <= args.margin <= 1:
         p.error(f"--margin {args.margin:g}: a share of the budget, from 0 to 1, e.g. 0.10")
     where = places(args.tracking_uri)

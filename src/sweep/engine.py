@@ -42,7 +42,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from src import quiet, stores, tracking
-from src.config import override_value
+from src.config import override_value, study_name_problem
 from src.failures import STICKY_CUDA, first_line
 from src.redact import redact_text
 from src.study import classify
@@ -62,7 +62,7 @@ from src.sweep.rules import (
 )
 from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
-from src.sweep.space import outside_space, refuse_credentials, split_arguments
+from src.sweep.space import SpaceError, outside_space, refuse_credentials, split_arguments
 from src.sweep.stop import RESUME, on_signals, stopping, store_trouble
 from src.sweep.storage import DEAD_WORKER, StudyStore, create_time
 from src.sweep.tally import Tally
@@ -81,6 +81,8 @@ class SweepEngine:
         self.config = config
         self.sweeper = config.hydra.sweeper
         self.study_name = str(self.sweeper.study_name)
+        if why := study_name_problem(self.study_name):  # before any folder, lock or store is made from it
+            raise SpaceError(why)
         self.study_dir = Path(config.paths.sweeps_dir) / self.study_name
         self.objectives = _as_list(self.sweeper.objectives)
         self.directions = _as_list(self.sweeper.direction)
