@@ -188,13 +188,37 @@ def to_messages(df: pd.DataFrame, data_cfg: Any) -> list[list[dict[str, str]]]:
     return chats
 
 
+# Chats tokenized at once: only their lengths are kept, so memory stays that of one block, whatever the data's size
+# (#30.19: a 200,000-row jsonl held every token id as a Python int, ~50x the file, 14.8 GB).
+LENGTH_BLOCK = 1024
+# From this many rows on, counting tokens shows a progress bar (on stderr).
+PROGRESS_ROWS = 20_000
+
+
 def token_lengths(chats: list[list[dict[str, str]]], tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens of each whole rendered chat, and of its prompt (everything before the answer)."""
-    full = tokenizer.apply_chat_template(chats, tokenize=True, return_dict=False)
-    prompts = tokenizer.apply_chat_template(
-        [c[:-1] for c in chats], tokenize=True, add_generation_prompt=True, return_dict=False
-    )
-    return np.array([len(x) for x in full]), np.array([len(x) for x in prompts])
+    """Tokens of each whole rendered chat, and of its prompt (everything before the answer), counted a block of
+    chats at a time; a long count shows its progress."""
+    full = np.zeros(len(chats), dtype=np.int64)
+    prompts = np.zeros(len(chats), dtype=np.int64)
+    bar = None
+    if len(chats) >= PROGRESS_ROWS:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(chats), desc="counting tokens", unit="row", leave=False)
+    for start in range(0, len(chats), LENGTH_BLOCK):
+        block = chats[start : start + LENGTH_BLOCK]
+        ids = tokenizer.apply_chat_template(block, tokenize=True, return_dict=False)
+        full[start : start + len(block)] = [len(x) for x in ids]
+        ids = tokenizer.apply_chat_template(
+            [c[:-1] for c in block], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        prompts[start : start + len(block)] = [len(x) for x in ids]
+        del ids
+        if bar is not None:
+            bar.update(len(block))
+    if bar is not None:
+        bar.close()
+    return full, prompts
 
 
 def truncation(full: np.ndarray, prompt: np.ndarray, max_seq_length: int) -> dict[str, float]:
