@@ -30,7 +30,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from src import gpus, redact
-from src.config import PROJECT_DIR, compose
+from src.config import PROJECT_DIR, compose, study_name_problem
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,8 @@ def submit(cluster: ClusterConfig, sweep_args: list[str]) -> list[Any]:
             "tracking.uri %s: workers on several nodes should share an MLflow server (http://...)", cfg.tracking.uri
         )
     study = str(cfg.hydra.sweeper.study_name)
+    if why := study_name_problem(study):
+        raise SystemExit(f"error: {why}")
     folder = Path(cluster.folder or Path(cfg.paths.sweeps_dir) / study / "cluster")
     if cluster.executor == "slurm":
         folder /= "%j"  # one folder per job (the local executor would also make a literal `%j` folder)

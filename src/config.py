@@ -9,6 +9,7 @@ built in one call; the exceptions are the words users know from older versions, 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,23 @@ class TrainConfig:
 
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
+
+# A study's name is a folder of sweeps/, an Optuna study, an MLflow experiment and part of Hydra overrides
+# (hydra.run.dir=sweeps/<study>/...): one plain word, so that it stays inside sweeps/ and needs no quoting.
+_STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,119}")
+
+
+def study_name_problem(name: str, key: str = "hydra.sweeper.study_name") -> str | None:
+    """Why `name` cannot be a study's name (naming `key`), or None: letters, digits, `.`, `_` and `-`, starting
+    with a letter or digit, up to 120 characters (#30.17: `a/../../../escape` wrote outside the project, and a
+    name with a space failed every trial as "other")."""
+    if _STUDY_NAME.fullmatch(name):
+        return None
+    return (
+        f"{key}={name!r}: a study's name is one word of letters, digits, '.', '_' and '-' starting with a letter "
+        f"or digit, up to 120 characters (it names the folder sweeps/<study>/); e.g. "
+        f"{key}={re.sub(r'[^A-Za-z0-9_]+', '-', name).strip('-_')[:120] or 'my-study'}"
+    )
 
 
 def register_configs() -> None:

@@ -31,6 +31,10 @@ FORMATS = "xlsx|csv|jsonl|parquet"
 
 def load_table(data_cfg: Any) -> pd.DataFrame:
     """Read the data file; a missing file, unknown format or missing column names the key to fix."""
+    max_rows = data_cfg.get("max_rows")
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+        # 0 read as "no limit" and -1 as "all but the last row" (pandas' head)
+        raise DataError(f"data.max_rows={max_rows}: must be at least 1 (or null: every row)")
     path = Path(data_cfg.path)
     if path.is_dir():
         raise DataError(_a_directory(path))
@@ -44,6 +48,8 @@ def load_table(data_cfg: Any) -> pd.DataFrame:
         df = reader(path, data_cfg.sheet)
     except DataError:
         raise
+    except UnicodeDecodeError as exc:
+        raise DataError(not_utf8(path, exc)) from None
     except Exception as exc:  # a corrupt file is a data problem, whatever the parser raised
         raise DataError(f"data.path: cannot read {path}: {exc}") from exc
     for key in ("input_column", "output_column"):
@@ -55,6 +61,40 @@ def load_table(data_cfg: Any) -> pd.DataFrame:
     # Row numbers as a person sees them in the sheet (header is row 1).
     df.index = pd.RangeIndex(2, len(df) + 2, name="row")
     return df
+
+
+def not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
+    """What a file that is not UTF-8 gets: where its first byte that is not (line as an editor counts, byte offset
+    in the file), and how to re-save it. The file is read again in blocks to find it: the parser's own position is
+    one of its buffer's."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, line, shown = 0, 1, ""
+    with path.open("rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            kept = len(decoder.getstate()[0])  # the previous block's unfinished character, decoded with this one
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as bad:
+                at = offset - kept + bad.start
+                line += block[: max(0, at - offset)].count(b"\n")
+                offset = at
+                f.seek(at)
+                shown = f" (0x{f.read(1)[0]:02x})"
+                break
+            if not block:  # no byte it cannot read (not expected: the parser found one)
+                offset = exc.start
+                break
+            offset += len(block)
+            line += block.count(b"\n")
+    spreadsheet = "a spreadsheet's Save As, CSV UTF-8, or " if path.suffix.lower() == ".csv" else ""
+    return (
+        f"data.path: {path} is not UTF-8: line {line}, byte {offset}{shown} is not a UTF-8 character ({exc.reason}); "
+        f"re-save the file as UTF-8 ({spreadsheet}`iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}` "
+        "for a Latin-1 / Windows file)"
+    )
 
 
 def read_jsonl(path: Path) -> pd.DataFrame:
@@ -148,13 +188,37 @@ def to_messages(df: pd.DataFrame, data_cfg: Any) -> list[list[dict[str, str]]]:
     return chats
 
 
+# Chats tokenized at once: only their lengths are kept, so memory stays that of one block, whatever the data's size
+# (#30.19: a 200,000-row jsonl held every token id as a Python int, ~50x the file, 14.8 GB).
+LENGTH_BLOCK = 1024
+# From this many rows on, counting tokens shows a progress bar (on stderr).
+PROGRESS_ROWS = 20_000
+
+
 def token_lengths(chats: list[list[dict[str, str]]], tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens of each whole rendered chat, and of its prompt (everything before the answer)."""
-    full = tokenizer.apply_chat_template(chats, tokenize=True, return_dict=False)
-    prompts = tokenizer.apply_chat_template(
-        [c[:-1] for c in chats], tokenize=True, add_generation_prompt=True, return_dict=False
-    )
-    return np.array([len(x) for x in full]), np.array([len(x) for x in prompts])
+    """Tokens of each whole rendered chat, and of its prompt (everything before the answer), counted a block of
+    chats at a time; a long count shows its progress."""
+    full = np.zeros(len(chats), dtype=np.int64)
+    prompts = np.zeros(len(chats), dtype=np.int64)
+    bar = None
+    if len(chats) >= PROGRESS_ROWS:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(chats), desc="counting tokens", unit="row", leave=False)
+    for start in range(0, len(chats), LENGTH_BLOCK):
+        block = chats[start : start + LENGTH_BLOCK]
+        ids = tokenizer.apply_chat_template(block, tokenize=True, return_dict=False)
+        full[start : start + len(block)] = [len(x) for x in ids]
+        ids = tokenizer.apply_chat_template(
+            [c[:-1] for c in block], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        prompts[start : start + len(block)] = [len(x) for x in ids]
+        del ids
+        if bar is not None:
+            bar.update(len(block))
+    if bar is not None:
+        bar.close()
+    return full, prompts
 
 
 def truncation(full: np.ndarray, prompt: np.ndarray, max_seq_length: int) -> dict[str, float]:

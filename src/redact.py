@@ -35,9 +35,11 @@ SECRET_VALUE_PATTERNS = {
     ),
 }
 # `key: value`, `key=value`, `"key": "value"`, `'key': 'value'` with a secret key, in any text (YAML, JSON,
-# a Hydra override, a repr): the value is replaced whatever its shape.
+# a Hydra override, a repr): the value is replaced whatever its shape. A key is looked for only from the first
+# character of a run of key characters (the lookbehind), so each run is read once: linear in the text. (Looked for
+# from every character of a long run, each start read the rest of the run: a 100,000-character prompt took minutes.)
 _KEY_VALUE = re.compile(
-    rf"(?P<key>[A-Za-z0-9_.-]*(?:{_SECRET_WORDS}))(?P<sep>[\"']?[ \t]*[:=][ \t]*)"
+    rf"(?<![A-Za-z0-9_.-])(?P<key>[A-Za-z0-9_.-]*?(?:{_SECRET_WORDS}))(?P<sep>[\"']?[ \t]*+[:=][ \t]*+)"
     r"(?:(?P<quote>[\"'])(?P<quoted>[^\"'\n]*)(?P=quote)|(?P<value>[^\s\"'`,}\]]+))",
     re.IGNORECASE,
 )

@@ -305,16 +305,65 @@ def test_promoting_again_moves_the_alias_and_keeps_the_older_version(
 
 
 @pytest.mark.slow
+def test_two_promotions_at_once_register_the_run_once(
+    swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `python -m src.promote` at once (threads here), each reading the registry before the other registers:
+    one registers the trial, the other finds the alias already on its run (#30.16: versions 4 and 5 of one run)."""
+    import threading
+    import time
+
+    import src.promote.__main__ as promote_main
+
+    monkeypatch.setenv("QLORA_ROOT", str(swept))
+    client = _client(swept)
+    stable = [r for r in _sweep(swept).rows if r.verdict == "stable"]
+    first, row = stable[0], stable[1]  # both promotable (the "promoting again" test promotes them too)
+    assert first.run_id != row.run_id
+    # the alias on another trial first, whatever this module promoted before
+    assert (
+        promote.main(
+            [STUDY, "--trial", str(first.number), "--allow-unsoaked", "--experiment-file", str(tmp_path / "0.yaml")]
+        )
+        == 0
+    )
+    before, _ = _registry(client)
+    real = promote_main.registry_state
+
+    def slow_state(*args: Any) -> Any:  # the other promotion gets to read the registry in the meantime
+        state = real(*args)
+        time.sleep(1.5)
+        return state
+
+    monkeypatch.setattr(promote_main, "registry_state", slow_state)
+    argv = [STUDY, "--trial", str(row.number), "--allow-unsoaked"]
+    codes: list[int] = []
+    both = [
+        threading.Thread(target=lambda f=f: codes.append(promote.main([*argv, "--experiment-file", str(f)])))
+        for f in (tmp_path / "a.yaml", tmp_path / "b.yaml")
+    ]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join()
+    assert codes == [0, 0]
+    after, production = _registry(client)
+    new = [v for v in after if v not in before]
+    assert [run for _, run in new] == [row.run_id], "one new version of the run, not two"
+    assert client.get_model_version("llama3-qlora", production).run_id == row.run_id
+
+
+@pytest.mark.slow
 def test_no_qualifying_trial_changes_nothing_and_says_why(
     swept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     client = _client(swept)
     before = _registry(client)
     target = tmp_path / "production.yaml"
-    argv = [STUDY, "--margin", "1.5", "--allow-unsoaked", "--experiment-file", str(target)]
+    argv = [STUDY, "--margin", "1", "--allow-unsoaked", "--experiment-file", str(target)]
     code, _, err = run_main(promote.main, argv, swept, monkeypatch, capsys)
     assert code == 1
-    assert "no stable trial: 4 marginal (headroom < 150%), 2 failed (1 oom, 1 segfault)" in err
+    assert "no stable trial: 4 marginal (headroom < 100%), 2 failed (1 oom, 1 segfault)" in err
     assert not target.exists() and _registry(client) == before
 
     # a study where everything failed, in a storage of its own: not even the MLflow store is touched

@@ -50,6 +50,25 @@ def test_secret_values_are_redacted_in_any_text(text: str) -> None:
     assert secret not in redacted and redact.REDACTED in redacted
 
 
+def test_redaction_is_linear_in_the_text_and_still_redacts() -> None:
+    """A 100,000-character system prompt (a run of key characters, as a pasted document holds) is redacted in well
+    under a second, and the credentials inside a long text are still found (#30.18: it was quadratic, minutes)."""
+    import time
+
+    secret = "s3cr3t-Value-9f8e7d6c"
+    for text in ("a" * 100_000, "tokentoken" * 10_000, "x_token " * 12_500):
+        start = time.perf_counter()
+        assert redact.redact_text(text) == text
+        assert time.perf_counter() - start < 2.0, text[:20]
+    text = (
+        "passage " * 6_000 + f"hf_token={secret} " + "b" * 50_000 + f" {{'password': '{secret}'}} a=b=api_key={secret}"
+    )
+    start = time.perf_counter()
+    redacted = redact.redact_text(text)
+    assert time.perf_counter() - start < 2.0
+    assert secret not in redacted and redacted.count(redact.REDACTED) == 3
+
+
 def test_tokens_and_environment_secrets_are_redacted(monkeypatch: pytest.MonkeyPatch, tokens: dict) -> None:
     monkeypatch.setenv("HF_TOKEN", tokens["env"])
     monkeypatch.setenv("WANDB_API_KEY", "plain-looking-value-123")

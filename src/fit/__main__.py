@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save", type=Path, default=None, help="write the fitted model to this JSON file")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = p.parse_args(argv)
+    for card in args.card or []:
+        if not card > 0:
+            p.error(f"--card {card:g}: a card's memory in GiB, more than 0 (e.g. --card 24 80)")
 
     from src import redact
     from src.config import compose
@@ -47,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model_file.exists():
             print(f"error: --model-file {args.model_file}: no such file (write one with --save)", file=sys.stderr)
             return 2
-        model, note = MemoryModel.load(args.model_file), f"fitted model from {args.model_file}"
+        try:
+            model, note = model_file(args.model_file), f"fitted model from {args.model_file}"
+        except ValueError as exc:
+            print(f"error: --model-file {args.model_file}: {exc}", file=sys.stderr)
+            return 2
     else:
         model, note = calibrated(cfg.tracking.uri, cfg.model.name)
     if args.save is not None:
@@ -66,6 +73,30 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(answer, setting, lengths))
     return 0
+
+
+def model_file(path: Path) -> MemoryModel:
+    """A fitted model's file (`--save`), checked before it is used: ValueError says what is wrong with it (a JSON
+    without the model's keys read as every term 0 GiB and "FITS")."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a fitted model's JSON ({exc}); write one with --save") from None
+    keys = ("coefficients", "context_gib", "error")
+    missing = [k for k in keys if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise ValueError(f"not a fitted model: no {', '.join(missing)} (write one with --save)")
+    coefficients = data["coefficients"]
+    model = MemoryModel()
+    if not isinstance(coefficients, dict) or not set(coefficients) >= set(model.coefficients):
+        raise ValueError(f"not a fitted model: its coefficients need {', '.join(sorted(model.coefficients))}")
+    numbers = {f"coefficients.{k}": v for k, v in coefficients.items()} | {k: data[k] for k in keys[1:]}
+    for key, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"{key}={value!r}: must be a number, at least 0")
+    if not data["error"] < 1:
+        raise ValueError(f"error={data['error']}: a relative error, below 1")
+    return MemoryModel.from_dict(data)
 
 
 def ask(model: MemoryModel, setting: Setting, lengths: Any, cards: list[float]) -> dict[str, Any]:

@@ -8,12 +8,18 @@ import difflib
 import os
 import sys
 from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
 
 from src import redact, stores, tracking
+from src.config import study_name_problem
 from src.promote.choosing import ALLOW_UNSOAKED, NotPromotable, choose
 from src.promote.experiment import DEFAULT_EXPERIMENT_FILE, header, plan, trial_config
 from src.promote.registry import ALIAS, register, registry_state
 from src.study import StudyNotFound, Sweep, TrialRow, cli_parser, load, places
+
+PROMOTE_LOCK_TIMEOUT_S = 300
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.study is not None and (why := study_name_problem(args.study, "study")):
+        p.error(why)
+    if args.margin is not None and not 0 <= args.margin <= 1:
+        p.error(f"--margin {args.margin:g}: a share of the budget, from 0 to 1, e.g. 0.10")
     where = places(args.tracking_uri)
     model = args.registered_model or where.registered_model
     tracking_key = "--tracking-uri" if args.tracking_uri else "tracking.uri"
@@ -61,7 +72,40 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         tracking.setup(where.tracking_uri)
     client = MlflowClient(where.tracking_uri)
-    state = registry_state(client, model, where.tracking_uri)
+    if args.dry_run:
+        return _promote(args, argv, client, model, sweep, row, exp, where.tracking_uri)
+    # One promotion at a time in this project: the registry's state read, the version registered, the alias moved
+    # and the experiment file written as one step (#30.16: two at once registered one run as two versions).
+    lock = Path(where.sweeps_dir) / ".promote.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    held = FileLock(str(lock))
+    try:
+        held.acquire(timeout=PROMOTE_LOCK_TIMEOUT_S)
+    except Timeout:
+        print(
+            f"nothing promoted: another promotion held {lock} for {PROMOTE_LOCK_TIMEOUT_S} s; run this again "
+            "when it has finished",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        return _promote(args, argv, client, model, sweep, row, exp, where.tracking_uri)
+    finally:
+        held.release()
+
+
+def _promote(
+    args: argparse.Namespace,
+    argv: list[str],
+    client: Any,
+    model: str,
+    sweep: Sweep,
+    row: TrialRow,
+    exp: Any,
+    tracking_uri: str,
+) -> int:
+    """Register the trial (unless the alias already points at its run) and write its experiment file."""
+    state = registry_state(client, model, tracking_uri)
     current = state.production
     already = current is not None and current.run_id == row.run_id
     version = str(current.version) if already else str(state.next_version)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from src import redact, stores
+from src.config import study_name_problem
 from src.report import load, log_to_mlflow, places, table, write
 from src.study import StudyNotFound, cli_parser
 
@@ -15,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     p = cli_parser("python -m src.report", "The stability map of a study: terminal table, sweeps/<study>/report.md.")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the report to the sweep's parent run")
     args = p.parse_args(argv)
+    if args.study is not None and (why := study_name_problem(args.study, "study")):
+        p.error(why)
+    if args.margin is not None and not 0 <= args.margin <= 1:
+        p.error(f"--margin {args.margin:g}: a share of the budget, from 0 to 1, e.g. 0.10")
     where = places(args.tracking_uri)
     tracking_key = "--tracking-uri" if args.tracking_uri else "tracking.uri"
     try:

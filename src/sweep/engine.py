@@ -43,7 +43,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from src import quiet, record, stores, tracking
-from src.config import override_value
+from src.config import override_value, study_name_problem
 from src.failures import first_line
 from src.record import DEAD_WORKER
 from src.redact import redact_text
@@ -61,7 +61,7 @@ from src.sweep.rules import (
 )
 from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
-from src.sweep.space import outside_space, refuse_credentials, split_arguments
+from src.sweep.space import SpaceError, outside_space, refuse_credentials, split_arguments
 from src.sweep.stop import RESUME, on_signals, stopping, store_trouble
 from src.sweep.storage import StudyStore, worker_identity
 from src.sweep.tally import Tally
@@ -80,6 +80,8 @@ class SweepEngine:
         self.config = config
         self.sweeper = config.hydra.sweeper
         self.study_name = str(self.sweeper.study_name)
+        if why := study_name_problem(self.study_name):  # before any folder, lock or store is made from it
+            raise SpaceError(why)
         self.study_dir = Path(config.paths.sweeps_dir) / self.study_name
         self.objectives = _as_list(self.sweeper.objectives)
         self.directions = _as_list(self.sweeper.direction)

@@ -23,7 +23,42 @@ class Slot:
     env: dict[str, str]
 
 
+# Slots per core beyond which a CPU sweep only thrashes: each slot is a trial process with its own interpreter.
+CPU_SLOTS_PER_CORE = 4
+
+
+def check_values(sweeper: DictConfig) -> None:
+    """Every sweeper value checked by range, naming the key, before anything is recorded (#30.20: a timeout <= 0
+    killed every trial as a timeout; cpu_slots=100000 never finished a one-trial sweep)."""
+    ranges = {  # key: (allowed, what it must be)
+        "trial_timeout_s": (lambda v: v > 0, "seconds, more than 0"),
+        "stall_timeout_s": (lambda v: v > 0, "seconds, more than 0"),
+        "heartbeat_interval_s": (lambda v: v >= 1, "seconds, at least 1"),
+        "headroom_margin": (lambda v: 0 <= v <= 1, "a share of the budget, from 0 to 1, e.g. 0.10"),
+        "soak_top_k": (lambda v: v >= 0, "at least 0 (0: no soak)"),
+        "soak_minutes": (lambda v: v >= 0, "minutes, at least 0"),
+    }
+    for key, (ok, what) in ranges.items():
+        value = sweeper.get(key)
+        if value is not None and not ok(float(value)):
+            raise SlotsError(f"hydra.sweeper.{key}={float(value):g}: must be {what}")
+    beat, grace = sweeper.get("heartbeat_interval_s"), sweeper.get("grace_period_s")
+    if beat is not None and grace is not None and not grace > beat:
+        raise SlotsError(
+            f"hydra.sweeper.grace_period_s={grace}: must be more than hydra.sweeper.heartbeat_interval_s={beat} "
+            "(a live trial would be taken as dead between two heartbeats)"
+        )
+    cores = os.cpu_count() or 1
+    most = max(2, cores) * CPU_SLOTS_PER_CORE
+    if sweeper.get("cpu_slots") is not None and int(sweeper.cpu_slots) > most:
+        raise SlotsError(
+            f"hydra.sweeper.cpu_slots={sweeper.cpu_slots}: at most {most} on this machine ({cores} cores): each slot "
+            "is a trial process of its own"
+        )
+
+
 def discover_slots(sweeper: DictConfig) -> list[Slot]:
+    check_values(sweeper)
     for key in ("gpus_per_trial", "slots_per_gpu", "cpu_slots", "n_trials"):
         if int(sweeper[key]) < 1:
             raise SlotsError(f"hydra.sweeper.{key}={sweeper[key]}: must be at least 1")

@@ -1,0 +1,119 @@
+"""Bad values are refused by range before any work, each naming its key or flag (#30.20): the sweeper's keys, the
+data's row limit, `src.fit`'s cards and model file, and the margin of `src.report` and `src.promote`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from src.failures import DataError
+from tests.conftest import compose_cfg
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trial_timeout_s=0", "hydra.sweeper.trial_timeout_s=0: must be seconds, more than 0"),
+        ("stall_timeout_s=-5", "hydra.sweeper.stall_timeout_s=-5: must be seconds, more than 0"),
+        ("cpu_slots=100000", "hydra.sweeper.cpu_slots=100000: at most"),
+        ("headroom_margin=1.5", "hydra.sweeper.headroom_margin=1.5: must be a share of the budget"),
+        ("headroom_margin=-0.1", "hydra.sweeper.headroom_margin=-0.1: must be a share of the budget"),
+        ("soak_top_k=-1", "hydra.sweeper.soak_top_k=-1: must be at least 0"),
+        ("soak_minutes=-1", "hydra.sweeper.soak_minutes=-1: must be minutes, at least 0"),
+        ("grace_period_s=5", "hydra.sweeper.grace_period_s=5: must be more than hydra.sweeper.heartbeat_interval_s"),
+    ],
+)
+def test_out_of_range_sweeper_values_are_refused_before_the_sweep_records_anything(
+    root: Path, override: str, message: str
+) -> None:
+    from src.sweep.engine import SweepEngine
+
+    cfg = compose_cfg(
+        [
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.study_name=values",
+            "hydra.sweeper.devices=[]",
+            f"hydra.sweeper.{override}",
+        ]
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SweepEngine(cfg, []).run()
+    assert not (root / "sweeps" / "values").exists() and not (root / "mlruns" / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("rows", [0, -1])
+def test_a_row_limit_below_one_is_refused_naming_the_key(root: Path, rows: int) -> None:
+    from src.data import load_table
+
+    with pytest.raises(DataError, match=re.escape(f"data.max_rows={rows}: must be at least 1")):
+        load_table(compose_cfg([f"data.max_rows={rows}"]).data)
+    assert len(load_table(compose_cfg(["data.max_rows=3"]).data)) == 3
+
+
+def test_fit_refuses_a_card_below_zero_and_a_model_file_without_the_models_keys(
+    root: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from src.fit.__main__ import main
+    from src.fit.model import MemoryModel
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--card", "-1"])
+    assert exit_.value.code == 2 and "--card -1: a card's memory in GiB" in capsys.readouterr().err
+    bad = root / "bad.json"
+    bad.write_text(json.dumps({"a": 1}))
+    assert main(["--model-file", str(bad)]) == 2
+    out = capsys.readouterr()
+    assert "--model-file" in out.err and "not a fitted model" in out.err and "FITS" not in out.out
+    bad.write_text(json.dumps({**MemoryModel().to_dict(), "error": -0.5}))
+    assert main(["--model-file", str(bad)]) == 2
+    assert "error=-0.5: must be a number, at least 0" in capsys.readouterr().err
+    good = root / "good.json"
+    MemoryModel().save(good)  # what --save writes is read back
+    assert main(["--model-file", str(good), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] == f"fitted model from {good}"
+
+
+@pytest.mark.parametrize("command", ["src.report", "src.promote"])
+@pytest.mark.parametrize("margin", ["-1", "1.01"])
+def test_report_and_promote_refuse_a_margin_outside_zero_to_one(
+    root: Path, capsys: pytest.CaptureFixture, command: str, margin: str
+) -> None:
+    import importlib
+
+    main = importlib.import_module(f"{command}.__main__").main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--margin", margin])
+    assert exit_.value.code == 2 and f"--margin {float(margin):g}: a share of the budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["a/../../../escape", "my study", "../up", ".hidden"])
+def test_a_study_name_that_is_not_one_plain_word_is_refused_before_anything_is_written(
+    tmp_path: Path, name: str
+) -> None:
+    """`hydra.sweeper.study_name=a/../../../escape` made a lock file outside the project and a name with a space
+    failed every trial as "other" (#30.17): refused in one line naming the key, nothing written anywhere."""
+    from tests.conftest import run_cli
+
+    root = tmp_path / "project" / "root"
+    root.mkdir(parents=True)
+    done = run_cli("src.train", "-m", "hydra/sweeper=optuna", f"hydra.sweeper.study_name={name}", root=root)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: hydra.sweeper.study_name={name!r}: a study's name is one word"), done.stderr
+    assert "Traceback" not in done.stderr
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["project", "project/root"]
+
+
+def test_report_and_promote_refuse_a_study_name_that_leaves_the_sweeps_folder(
+    root: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from src.promote.__main__ import main as promote
+    from src.report.__main__ import main as report
+
+    for main in (report, promote):
+        with pytest.raises(SystemExit) as exit_:
+            main(["../../etc"])
+        assert exit_.value.code == 2 and "study='../../etc': a study's name is one word" in capsys.readouterr().err
