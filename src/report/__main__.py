@@ -6,6 +6,7 @@ import sys
 
 from src import redact, stores
 from src.report import load, log_to_mlflow, places, table, write
+from src.report.text import promote_command
 from src.study import StudyNotFound, cli_parser
 
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.mlflow_view:
         print(f"trials by knobs and metrics in MLflow (a local store: make ui first): {report.mlflow_view}")
     if best:
-        print(f"best stable: trial {best.number}; promote it: python -m src.promote {sweep.name}")
+        print(f"best stable: trial {best.number}; promote it: {promote_command(sweep, best)}")
     return 0
 
 
