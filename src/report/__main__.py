@@ -9,8 +9,22 @@ from src.report import load, log_to_mlflow, places, table, write
 from src.report.text import promote_command
 from src.study import StudyNotFound, cli_parser
 
+# What to install for a package the report imports when it draws (pyproject.toml's pins)
+INSTALL = {"plotly": "pip install 'plotly>=6,<8'", "matplotlib": "pip install 'matplotlib>=3.8'"}
+
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; a package it needs but cannot import is one line naming it and how to install it."""
+    try:
+        return _report(argv)
+    except ModuleNotFoundError as exc:
+        package = (exc.name or str(exc)).split(".")[0]
+        how = INSTALL.get(package, f"pip install {package}")
+        print(f"error: the report needs the Python package '{package}', not installed here: {how}", file=sys.stderr)
+        return 2
+
+
+def _report(argv: list[str] | None) -> int:
     from rich.console import Console
 
     p = cli_parser("python -m src.report", "The stability map of a study: terminal table, sweeps/<study>/report.md.")
