@@ -10,6 +10,7 @@ export QLORA_ROOT=${QLORA_ROOT:-/tmp/qlora} QLORA_CACHE=${QLORA_CACHE:-/tmp/qlor
 STUDY=faults_h200
 ARGS=(model=tiny_llama fault.step=3 hydra/sweeper/sampler=grid hydra.sweeper.study_name=$STUDY
   hydra.sweeper.n_trials=5 hydra.sweeper.slots_per_gpu=2 "hydra.sweeper.enqueue_trials=[]"
+  hydra.sweeper.soak_top_k=0   # the faults only: no 10-minute soak of the ok trial after them
   "fault.kind=choice(oom,launch_failure,illegal_memory_access,device_assert,none)")
 python3 -m src.train -m hydra/sweeper=optuna "${ARGS[@]}"
 python3 -m benchmarks.summarize $STUDY benchmarks/results/faults_h200.json --sweeps-dir "$QLORA_ROOT/sweeps" \

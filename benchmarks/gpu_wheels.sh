@@ -84,6 +84,8 @@ PINS=(
   python-dotenv==1.2.4
   sqlparse==0.6.1
   # --- reporting ---
+  plotly==7.1.0                      # src.report's page (report.html); without it src.report cannot write
+  narwhals==2.29.0                   # plotly: narwhals>=1.15.1
   openpyxl==3.1.5
   et-xmlfile==2.0.0
 )

@@ -156,6 +156,16 @@ def classify(trial: FrozenTrial, margin: float, retried: bool = False) -> tuple[
     return "failed", detail + (" (retried)" if retried or a.get(record.RETRIED) else "")
 
 
+def _below(value: float, limit: float) -> str:
+    """ "6% < 10%": two shares with as many decimals as it takes to tell them apart (24.96% < 25.00%, never
+    25% < 25%)."""
+    for digits in range(4):
+        shown, bound = f"{value:.{digits}%}", f"{limit:.{digits}%}"
+        if shown != bound:
+            break
+    return f"{shown} < {bound}"
+
+
 def _finished(a: dict[str, Any], margin: float) -> tuple[str, str]:
     """A trial that ran to the end: stable, or marginal with the reasons."""
     headroom = a.get("vram_headroom_frac")
@@ -165,7 +175,7 @@ def _finished(a: dict[str, Any], margin: float) -> tuple[str, str]:
     if headroom is None:
         notes.append("no VRAM measurement")
     elif headroom < margin:
-        notes.append(f"headroom {headroom:.0%} < {margin:.0%}")
+        notes.append(f"headroom {_below(headroom, margin)}")
     if a.get("alloc_retries"):
         notes.append(f"{a['alloc_retries']:g} allocator retries")
     return ("marginal", "; ".join(notes)) if notes else ("stable", f"headroom {headroom:.0%}")

@@ -243,13 +243,17 @@ def test_report_and_promotion_need_only_the_storage_and_the_tracking_store(
     assert [{k: r.params[k] for k in SETTINGS[0]} for r in sweep.rows] == SETTINGS
     assert [r.verdict for r in sweep.rows] == [expected(s)[0] for s in SETTINGS]
     best = sweep.best()
-    assert f"best stable: trial {best.number}; promote it: python -m src.promote {STUDY}" in shown
+    # The command the report prints is the one that promotes: nothing was soaked (FAST_SWEEP), so it says so
+    printed = next(line for line in shown.splitlines() if line.startswith("best stable: "))
+    assert printed == f"best stable: trial {best.number}; promote it: python -m src.promote {STUDY} --allow-unsoaked"
+    command = printed.split("promote it: ", 1)[1].split()
+    assert command[:3] == ["python", "-m", "src.promote"]
 
     conf = tmp_path / "conf"  # a copy of the project's configs, so the repo's conf/ is never written
     shutil.copytree(PROJECT_DIR / "conf", conf)
     target = conf / "experiment" / "production.yaml"
     target.unlink(missing_ok=True)
-    argv = [STUDY, *where, "--allow-unsoaked", "--experiment-file", str(target)]
+    argv = [*command[3:], *where, "--experiment-file", str(target)]
     code, promoted, err = run_main(promote.main, argv, root, monkeypatch, capsys)
     assert code == 0, err[-4000:]
     # (this module's promotion test may have promoted the same trial in the store copied here already)

@@ -113,6 +113,7 @@ class Lengths:
 @dataclass
 class History:
     points: dict[tuple[tuple[str, str], ...], list[Point]]  # stack -> points
+    cpu_trials: int = 0  # measured trials of the model that ran on a CPU: not a card's memory, not used
 
     def best_stack(self, wanted: dict[str, str] | None) -> tuple[dict[str, str], list[Point]]:
         """The wanted stack's points, else the stack with most points (a CPU asks for a GPU's map)."""
@@ -136,6 +137,7 @@ def history(tracking_uri: str, model_name: str, lengths: Lengths | None = None) 
     lengths = lengths or Lengths()
     experiments = [e.experiment_id for e in client.search_experiments()]
     points: dict[tuple[tuple[str, str], ...], list[Point]] = {}
+    cpu_trials = 0
     if not experiments:
         return History(points)
     runs = client.search_runs(
@@ -146,12 +148,13 @@ def history(tracking_uri: str, model_name: str, lengths: Lengths | None = None) 
     )
     for run in runs:
         if run.data.tags.get("gpu.name", "none").lower().startswith("none"):
+            cpu_trials += 1
             continue  # a CPU trial: its "VRAM" is the process's memory under the budget (src/measure/memory.py)
         point = point_of(run.data.params, run.data.metrics, lengths, label=run.info.run_id)
         if point is not None:
             key = tuple(sorted(stack_of(run.data.tags).items()))
             points.setdefault(key, []).append(point)
-    return History(points)
+    return History(points, cpu_trials)
 
 
 def point_of(params: dict[str, str], metrics: dict[str, float], lengths: Lengths, label: str = "") -> Point | None:
@@ -177,6 +180,11 @@ def calibrated(tracking_uri: str, model_name: str, stack: dict[str, str] | None 
     found = history(tracking_uri, model_name)
     chosen, points = found.best_stack(stack if stack is not None else current_stack())
     if not points:
+        if found.cpu_trials:
+            return MemoryModel(), (
+                f"first principles, not calibrated: the {found.cpu_trials} measured trial(s) of this model ran on a "
+                "CPU, whose memory is the process's, not a card's; no GPU trial of it on this stack yet"
+            )
         return MemoryModel(), "first principles, not calibrated: no measured trial of this model on this stack yet"
     model = fit(points, chosen)
     others = Counter({k: len(v) for k, v in found.points.items() if dict(k) != chosen})

@@ -98,8 +98,18 @@ class HostMemory(threading.Thread):
     interpreter and the libraries held when the budget was set. Leaving the start-up out keeps the budget about
     the setting, not about which versions of torch or MLflow a machine imported. RLIMIT_DATA holds the process
     to that budget: an allocation past it is refused by the kernel (torch's CPU allocator raises "can't allocate
-    memory", Python a MemoryError), as a card's allocator refuses one past the card. The peak is read from
-    /proc/self/statm every `interval_s` and at every step end (`sample`): the kernel keeps no peak of VmData.
+    memory", Python a MemoryError), as a card's allocator refuses one past the card.
+
+    The peak is what a card's allocator reports: the most memory live at once, which one micro-step's activations
+    decide (the micro-batch moves it, accumulation does not). A process, unlike a card's allocator, keeps memory a
+    micro-step freed (glibc keeps freed blocks; kernels keep a cache per new sequence length) and so grows with
+    every micro-step seen. So both the limit and the peak are per micro-step (`sample`, at each one's start): a
+    micro-step may add to what the process maps at its start what the budget leaves beyond what the trial held
+    when training began, and the peak is that holding plus the most one micro-step added, read from the kernel's
+    own high-water mark of the process's resident memory (VmHWM, reset at each micro-step's start): exact and the
+    same on every run, not a sample that may miss a step's transient buffers (trl's LM-head tile lives for
+    milliseconds). Where the kernel cannot reset the mark, VmData is sampled every `interval_s` and at every step
+    end instead, and the limit stays where it was set.
     """
 
     def __init__(self, budget_gib: float, baseline: int, interval_s: float) -> None:
@@ -108,6 +118,12 @@ class HostMemory(threading.Thread):
 
         self.budget_gib = budget_gib
         self.baseline = baseline
+        # Resident memory at the start (the high-water mark's baseline), or None where the mark cannot be reset
+        self.rss_baseline = _reset_high_water_mark()
+        self._window_start: int | None = None  # resident memory when the open window began (None: the start-up's)
+        self._held_at_training = 0  # resident memory beyond the baseline when the first micro-step began
+        self._added = 0  # the most one micro-step added to what the process held at its start
+        self._data_at_training: int | None = None  # VmData beyond the baseline when the first micro-step began
         self.interval_s = interval_s
         self.peak = 0
         self._halt = threading.Event()
@@ -118,6 +134,7 @@ class HostMemory(threading.Thread):
             limit = min(limit, hard)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
         self.limit = limit
+        self._hard = hard
 
     @classmethod
     def hold(cls, budget_gib: float, interval_s: float) -> HostMemory | None:
@@ -133,12 +150,46 @@ class HostMemory(threading.Thread):
         return host
 
     def sample(self) -> float:
-        """GiB held beyond the start-up now (the peak follows)."""
+        """GiB held beyond the start-up now; the peak follows. Called at each micro-step's start and end (by the
+        trial's Measurements), it also closes a window of the peak: the first window is the start-up's (the model's
+        load), each later one a micro-step's (the last of a step with the optimizer's step). The peak is then the
+        larger of the start-up's and what the trial held when training began plus the most any one micro-step
+        added to what it held at its own start: the live memory of the largest micro-step. What a micro-step keeps
+        after it ends (a kernel's cache for a sequence length not seen before) is counted in that micro-step, not
+        again in each later one, so more micro-steps do not read as more memory."""
         held = (_data_bytes() or self.baseline) - self.baseline
-        self.peak = max(self.peak, held)
+        if self.rss_baseline is None:
+            self.peak = max(self.peak, held)
+            return held / GIB
+        mark = _status_bytes("VmHWM") or self.rss_baseline
+        if self._window_start is None:  # the start-up's window: all it held
+            self.peak = max(self.peak, mark - self.rss_baseline)
+        else:
+            self._added = max(self._added, mark - self._window_start)
+            self.peak = max(self.peak, self._held_at_training + self._added)
+        start = _reset_high_water_mark()
+        if start is not None:
+            if self._window_start is None:
+                self._held_at_training, self._data_at_training = start - self.rss_baseline, held
+            self._window_start = start
+            self._limit_window(held)
         return held / GIB
 
+    def _limit_window(self, held: int) -> None:
+        """The limit of the micro-step that begins, the process holding `held` beyond the start-up: what it maps
+        now plus what the budget leaves beyond what the trial held when training began."""
+        import resource
+
+        if self._halt.is_set() or self._data_at_training is None:
+            return
+        limit = self.baseline + held + max(0, int(self.budget_gib * GIB) - self._data_at_training)
+        if self._hard != resource.RLIM_INFINITY:
+            limit = min(limit, self._hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, self._hard))
+
     def run(self) -> None:
+        if self.rss_baseline is not None:
+            return  # the kernel keeps the peak: nothing to sample
         while not self._halt.wait(self.interval_s):
             self.sample()
 
@@ -168,3 +219,26 @@ def _data_bytes() -> int | None:
             return int(f.read().split()[5]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _status_bytes(field: str) -> int | None:
+    """A size from /proc/self/status (VmHWM, VmRSS) in bytes, or None without it."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(field.encode() + b":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+def _reset_high_water_mark() -> int | None:
+    """Reset the kernel's peak of this process's resident memory (VmHWM) to what it holds now (Linux 4.0+); that
+    resident memory in bytes, or None where the mark cannot be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_bytes("VmHWM")

@@ -85,6 +85,14 @@ class Measurements(TrainerCallback):
         self._last_tokens = state.num_input_tokens_seen
         self.write_progress("training")
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.host is not None:  # a micro-step begins: the CPU budget's peak is per micro-step (HostMemory.sample)
+            self.host.sample()
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.host is not None:
+            self.host.sample()
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._sync()
         now = time.perf_counter()

@@ -69,8 +69,8 @@ def not_soaked(sweep: Sweep, rows: list[TrialRow]) -> str:
             parts.append(f"trial {r.number}'s soak {soak.get('status')}: {soak.get('detail', '')}".rstrip(": "))
     return (
         f"no stable trial passed a soak ({'; '.join(parts)}{'; ...' if len(rows) > 3 else ''}). A probe of a few "
-        "steps is not a long run: run the sweep again (it soaks its finalists: hydra.sweeper.soak_top_k, "
-        f"soak_minutes), or promote without one with {ALLOW_UNSOAKED}"
+        "steps is not a long run: run a new study that soaks its finalists (hydra.sweeper.soak_top_k, "
+        f"soak_minutes; a complete study launches nothing more), or promote without one with {ALLOW_UNSOAKED}"
     )
 
 

@@ -7,10 +7,25 @@ import sys
 from src import redact, stores
 from src.config import study_name_problem
 from src.report import load, log_to_mlflow, places, table, write
+from src.report.text import promote_command
 from src.study import StudyNotFound, cli_parser
+
+# What to install for a package the report imports when it draws (pyproject.toml's pins)
+INSTALL = {"plotly": "pip install 'plotly>=6,<8'", "matplotlib": "pip install 'matplotlib>=3.8'"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; a package it needs but cannot import is one line naming it and how to install it."""
+    try:
+        return _report(argv)
+    except ModuleNotFoundError as exc:
+        package = (exc.name or str(exc)).split(".")[0]
+        how = INSTALL.get(package, f"pip install {package}")
+        print(f"error: the report needs the Python package '{package}', not installed here: {how}", file=sys.stderr)
+        return 2
+
+
+def _report(argv: list[str] | None) -> int:
     from rich.console import Console
 
     p = cli_parser("python -m src.report", "The stability map of a study: terminal table, sweeps/<study>/report.md.")
@@ -46,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.mlflow_view:
         print(f"trials by knobs and metrics in MLflow (a local store: make ui first): {report.mlflow_view}")
     if best:
-        print(f"best stable: trial {best.number}; promote it: python -m src.promote {sweep.name}")
+        print(f"best stable: trial {best.number}; promote it: {promote_command(sweep, best)}")
     return 0
 
 

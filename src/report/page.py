@@ -16,7 +16,7 @@ from src import redact
 from src.failures import MEMORY, oom_needed_gib
 from src.knobs import label
 from src.report.plots import COLOURS, is_repeat, knob_values, map_cells
-from src.report.text import fmt, share, summary, trial_grid
+from src.report.text import fmt, promote_command, share, summary, trial_grid
 from src.study import Sweep, TrialRow, sort_key
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def _opening(sweep: Sweep, advice: list[str]) -> str:
     budget = f"Budget {sweep.budget:g} GiB, margin {sweep.margin:.0%}." if sweep.budget else ""
     best_line = (
         f"Best stable: <b>trial {best.number}</b> ({html.escape(_setting(sweep, best))}); promote it with "
-        f"<code>python -m src.promote {html.escape(sweep.name)}</code>."
+        f"<code>{html.escape(promote_command(sweep, best))}</code>."
         if best
         else "No stable setting: nothing to promote."
     )

@@ -35,6 +35,19 @@ def share(frac: float) -> str:
     return f"{frac:.1%}".replace(".0%", "%")
 
 
+def promote_command(sweep: Sweep, row: TrialRow) -> str:
+    """The command that promotes `row` as the study stands: `src.promote` takes the best soaked stable trial, and
+    one never soaked (a study run with hydra.sweeper.soak_top_k=0, as the demo is) only when asked by number or
+    with --allow-unsoaked (src/promote/choosing.py)."""
+    command = f"python -m src.promote {sweep.name}"
+    passed = [r.number for r in sweep.ranked() if sweep.soaks.get(r.number, {}).get("status") == "passed"]
+    if row.number in passed:
+        return command if passed[0] == row.number else f"{command} --trial {row.number}"
+    if not passed and sweep.ranked() and sweep.ranked()[0].number == row.number:
+        return f"{command} --allow-unsoaked"
+    return f"{command} --trial {row.number} --allow-unsoaked"
+
+
 def _columns(sweep: Sweep) -> list[tuple[str, Callable[[TrialRow], str]]]:
     """The table's columns (header, cell) for this sweep: a lever's change and the share of answers cut only
     where some trial has them."""
@@ -86,7 +99,10 @@ def table(sweep: Sweep) -> Any:
     )
     headers, cells = trial_grid(sweep)
     for h in headers:
-        t.add_column(h, justify="right" if h not in ("change", "class", "detail") else "left")
+        if h == "class":  # never the column cut on a narrow terminal: the others wrap or shorten first
+            t.add_column(h, justify="left", no_wrap=True, min_width=max(len(c) for c in (*styles, h)))
+        else:
+            t.add_column(h, justify="right" if h not in ("change", "detail") else "left")
     for row, line in zip(sweep.rows, cells, strict=True):
         t.add_row(*line, style=styles.get(row.verdict))
     return t
@@ -153,6 +169,7 @@ def _opening(sweep: Sweep) -> list[str]:
         return [*out, f"No stable setting{policy}: nothing to promote.", ""]
     m = best.metrics
     setting = [f"{k}={fmt(best.params[k])}" for k in sweep.knobs if k in best.params] + best.lever
+    promote = promote_command(sweep, best)
     return [
         *out,
         f"Best stable setting by the study's objective ({objective}, {direction}): **trial {best.number}** "
@@ -164,7 +181,8 @@ def _opening(sweep: Sweep) -> list[str]:
             if shared > 1 and objective in SPEED_METRICS
             else ""
         )
-        + f". Promote it: `python -m src.promote {sweep.name}`.",
+        + f". Promote it: `{promote}`"
+        + (" (never soaked: its evidence is its short probe)." if "--allow-unsoaked" in promote else "."),
         "",
     ]
 

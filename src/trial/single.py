@@ -120,6 +120,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
 
     from src import models, preflight
     from src.config import sft_kwargs
+    from src.measure import progress
 
     client, run_id = state["client"], state["run_id"]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -140,6 +141,7 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     )
     for callback in _callbacks(cfg, out_dir, state):
         trainer.add_callback(callback)
+    progress.install(trainer, state["meas"])  # one bar on a terminal; the per-step dicts to the log file
     if cfg.trainer.torch_compile == "layers":
         models.compile_layers(trainer.model)  # compiles in the first steps (first_step_s), not here
     state["trainer"] = trainer

@@ -1,0 +1,63 @@
+"""The report's words at their edges: a headroom just under the margin, a table on a 100-column terminal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from src.report.text import table
+from src.study import Sweep, TrialRow, _finished
+
+KNOBS = [
+    "trainer.per_device_train_batch_size",
+    "trainer.gradient_accumulation_steps",
+    "data.max_seq_length",
+    "lora.r",
+    "model.attn_implementation",
+    "trainer.gradient_checkpointing",
+]
+
+
+def test_a_headroom_just_under_the_margin_is_never_told_as_equal_to_it() -> None:
+    verdict, detail = _finished({"vram_headroom_frac": 0.2496}, 0.25)
+    assert verdict == "marginal" and detail == "headroom 24.96% < 25.00%"
+    assert _finished({"vram_headroom_frac": 0.06}, 0.10) == ("marginal", "headroom 6% < 10%")
+
+
+def test_the_class_column_is_never_the_one_cut_at_100_columns() -> None:
+    verdicts = [("stable", "headroom 62%"), ("marginal", "headroom 6% < 25%"), ("failed", "oom at step 1")]
+    rows = [
+        TrialRow(
+            number=n,
+            params={
+                "trainer.per_device_train_batch_size": 16,
+                "trainer.gradient_accumulation_steps": 2,
+                "data.max_seq_length": 2048,
+                "lora.r": 64,
+                "model.attn_implementation": "sdpa",
+                "trainer.gradient_checkpointing": True,
+            },
+            distributions={},
+            verdict=verdict,
+            detail=detail,
+            metrics={
+                "tokens_per_s": 8232.5,
+                "peak_vram_reserved_gib": 0.12,
+                "vram_headroom_frac": 0.62,
+                "step_time_s": 0.41,
+                "peak_rss_gib": 0.75,
+                "startup_s": 9.3,
+            },
+        )
+        for n, (verdict, detail) in enumerate(verdicts * 3)
+    ]
+    sweep = Sweep(
+        "demo", "sqlite:///x", Path("/nowhere"), ["tokens_per_s"], ["maximize"], 0.25, 0.32, KNOBS, rows, None, []
+    )
+    console = Console(width=100, record=True, color_system=None)
+    console.print(table(sweep))
+    shown = console.export_text()
+    for verdict, _ in verdicts:
+        assert f" {verdict} " in shown or f"│ {verdict}" in shown, shown
+    assert "mar…" not in shown and "fai…" not in shown and "sta…" not in shown, shown
