@@ -35,8 +35,6 @@ import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DESIGN = RESULTS / "memory_model_random_design.json"
-OUTFILE = RESULTS / "memory_model_random_h200.json"
-MODEL_FILE = RESULTS / "memory_model_random_calibration_h200.json"
 OLD_MODEL = RESULTS / "memory_model_calibration_h200.json"
 BUDGET = 24.0
 BASE = ["model=llama3_8b_synthetic", "data=clinical_notes"]
@@ -137,8 +135,8 @@ def design() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from src.handoff import STARTED_ENV
     from src.sweep import launcher
-    from src.trial.handoff import STARTED_ENV
 
     root = Path(os.environ.get("QLORA_ROOT", "/tmp/qlora"))
     out = Path(os.environ.get("OUT") or root)
@@ -260,9 +258,12 @@ def _sh(cmd: list[str], log: Path) -> int:
 # ---- summarize (here, on the CPU) -------------------------------------------------------------------------------
 
 
-def summarize(raw_file: Path) -> None:
+def summarize(raw_file: Path, tag: str = "") -> None:
     """Fit the model on the measured calibration points; judge it, the grid-calibrated model and the two outside
-    tools on the held-out settings."""
+    tools on the held-out settings. `tag`: the run's (its files are memory_model_random<tag>_h200.json and
+    memory_model_random<tag>_calibration_h200.json)."""
+    outfile = RESULTS / f"memory_model_random{tag}_h200.json"
+    model_file = RESULTS / f"memory_model_random{tag}_calibration_h200.json"
     from benchmarks.memory_h200 import comparisons
     from src.fit.model import MemoryModel, Point, fit, peak_batch
 
@@ -292,7 +293,7 @@ def summarize(raw_file: Path) -> None:
         "calibrated_on": [r["setting"] for r, _, _ in rows if r["role"] == "calibration" and r["status"] == "ok"],
         "command": f"python -m benchmarks.memory_random_h200 summarize {raw_file}",
     }
-    MODEL_FILE.write_text(json.dumps(out_model, indent=2))
+    model_file.write_text(json.dumps(out_model, indent=2))
     old = MemoryModel.load(OLD_MODEL)
     settings, judged = [], {"new": [], "old": [], "fitcheck_llm": [], "accelerate_estimate_memory": []}
     fit_but_oom = []
@@ -367,13 +368,14 @@ def summarize(raw_file: Path) -> None:
         "commands": [
             "python -m benchmarks.memory_random_h200 design",
             "WAIT=570 bash benchmarks/memory_random_h200.sh --slots 5   (device, carry .whl)",
-            f"python -m benchmarks.memory_random_h200 summarize {raw_file}",
+            f"python -m benchmarks.memory_random_h200 summarize {raw_file}" + (f" --tag {tag}" if tag else ""),
         ],
-        "model_file": MODEL_FILE.name,
+        "model_file": model_file.name,
+        "pytorch_cuda_alloc_conf": raw.get("pytorch_cuda_alloc_conf"),
         "summary": summary,
         "settings": settings,
     }
-    OUTFILE.write_text(json.dumps(out, indent=2, default=str))
+    outfile.write_text(json.dumps(out, indent=2, default=str))
     print(json.dumps(summary, indent=2, default=str))
 
 
@@ -387,13 +389,14 @@ def main() -> None:
     r.add_argument("--tag", default="", help="suffix of the raw file's name (memory_random_raw<tag>.json)")
     s = sub.add_parser("summarize")
     s.add_argument("raw", type=Path)
+    s.add_argument("--tag", default="", help="the run's tag (_expandable): its own result files")
     args = p.parse_args()
     if args.what == "design":
         design()
     elif args.what == "run":
         run(args)
     else:
-        summarize(args.raw)
+        summarize(args.raw, args.tag)
 
 
 if __name__ == "__main__":
