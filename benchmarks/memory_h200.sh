@@ -6,9 +6,12 @@
 #   device run (carry .whl, see gpu_wheels.sh):  WAIT=570 bash benchmarks/memory_h200.sh [run options]
 #   then, at once:                               WAIT=570 bash benchmarks/memory_h200.sh collect
 #   here, after:  python -m benchmarks.memory_h200 summarize <files_at>/memory_stores.tgz
+# Other benchmarks run the same way through it (benchmarks/memory_random_h200.sh): MODULE is what runs, COPY where,
+# COLLECT the files of $QLORA_ROOT it brings back, LOGS the paths under $QLORA_ROOT packed into logs.tgz.
 set -uo pipefail
 SRC=${SRC:-$(cd "$(dirname "$0")/.." && pwd)}
-COPY=/tmp/memory_h200_run
+MODULE=${MODULE:-benchmarks.memory_h200} COPY=${COPY:-/tmp/memory_h200_run}
+COLLECT=${COLLECT:-memory_stores.tgz} LOGS=${LOGS:-sweeps}
 export QLORA_ROOT=${QLORA_ROOT:-/tmp/qlora} QLORA_CACHE=${QLORA_CACHE:-/tmp/qlora-cache} PYTHONUNBUFFERED=1 USE_JAX=0 USE_TF=0
 if [ -d .whl ] && ! python3 -c "import trl, optuna, bitsandbytes, hydra" 2>/dev/null; then  # the stack, as wheels
   [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -18,13 +21,15 @@ fi
 if [ "${1:-}" != collect ]; then
   rm -rf "$COPY" && mkdir -p "$COPY" "$QLORA_ROOT"
   (cd "$SRC" && cp -r benchmarks conf data hydra_plugins src pyproject.toml "$COPY"/)
-  (cd "$COPY" && PYTHONPATH="${PYTHONPATH:-}" OUT="$QLORA_ROOT" setsid nohup bash -c "python3 -m benchmarks.memory_h200 run $* \
+  (cd "$COPY" && PYTHONPATH="${PYTHONPATH:-}" OUT="$QLORA_ROOT" setsid nohup bash -c "python3 -m $MODULE run $* \
     > run.log 2>&1; echo rc=\$? >> run.log; touch done" >/dev/null 2>&1 </dev/null &)
 fi
 for _ in $(seq 1 "${WAIT:-570}"); do [ -f "$COPY/done" ] && break; sleep 1; done
 if [ -n "${OUT:-}" ]; then
-  cp "$COPY/run.log" "$QLORA_ROOT/memory_stores.tgz" "$OUT"/ 2>/dev/null
-  tar czf "$OUT/logs.tgz" -C "$QLORA_ROOT" sweeps 2>/dev/null --exclude='*.db' --exclude='*adapter*'
+  cp "$COPY/run.log" "$OUT"/ 2>/dev/null
+  (cd "$QLORA_ROOT" && cp $COLLECT "$OUT"/ 2>/dev/null)
+  (cd "$QLORA_ROOT" && tar czf "$OUT/logs.tgz" --exclude='*.db' --exclude='*adapter*' --exclude='*.safetensors' \
+    $(ls -d $LOGS 2>/dev/null) 2>/dev/null)
 fi
 [ -f "$COPY/done" ] && echo "done" || echo "still running: run '$0 collect' within 30 s"
 tail -30 "$COPY/run.log" | cut -c1-250
