@@ -1,0 +1,44 @@
+"""Issue 30, findings 13, 14 and 6: what the sweep skips, when it stops skipping, and how it says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+
+from src.sweep.engine import SweepEngine
+from tests.conftest import compose_cfg
+
+BATCH, ACC = "trainer.per_device_train_batch_size", "trainer.gradient_accumulation_steps"
+SPACE = {BATCH: CategoricalDistribution([1, 2, 4]), ACC: CategoricalDistribution([1, 2, 8])}
+
+
+def _told(study: optuna.Study, batch: int, acc: int, status: str, kind: str | None = None) -> None:
+    attrs = {"trial.status": status, **({"failure.kind": kind} if kind else {})}
+    study.add_trial(
+        optuna.trial.create_trial(params={BATCH: batch, ACC: acc}, distributions=SPACE, value=0.0, user_attrs=attrs)
+    )
+
+
+def test_a_setting_measured_ok_is_never_a_certain_oom(root: Path) -> None:
+    """One OOM at batch 1 x accumulation 8 while batch 1 x accumulation 2 ran ok: accumulation is neutral, so the
+    OOM contradicts a measurement and makes no other setting a certain OOM (it made every one, once)."""
+    cfg = compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.study_name=okfits", "trainer.output_dir=/tmp/unused"])
+    rules = SweepEngine(cfg, []).rules
+    assert rules.monotone[ACC] == "neutral"
+
+    def certain(study: optuna.Study, batch: int, acc: int) -> bool:
+        return rules.certain_oom(study, SimpleNamespace(params={BATCH: batch, ACC: acc})) is not None
+
+    lone = optuna.create_study()
+    _told(lone, 1, 8, "failed", "oom")
+    assert certain(lone, 1, 2) and certain(lone, 2, 1), "an uncontradicted OOM at batch 1 still rules"
+    study = optuna.create_study()
+    _told(study, 1, 8, "failed", "oom")
+    _told(study, 1, 2, "ok")
+    assert not certain(study, 1, 2), "measured ok"
+    assert not certain(study, 1, 1) and not certain(study, 2, 2) and not certain(study, 4, 8)
+    _told(study, 4, 1, "failed", "oom")  # an OOM nothing contradicts still rules beyond itself
+    assert certain(study, 4, 2) and not certain(study, 2, 8)
