@@ -42,3 +42,23 @@ def test_a_setting_measured_ok_is_never_a_certain_oom(root: Path) -> None:
     assert not certain(study, 1, 1) and not certain(study, 2, 2) and not certain(study, 4, 8)
     _told(study, 4, 1, "failed", "oom")  # an OOM nothing contradicts still rules beyond itself
     assert certain(study, 4, 2) and not certain(study, 2, 8)
+
+
+def test_levers_launch_only_on_a_recipe_that_failed_for_memory(root: Path) -> None:
+    """A config or data error in the recipe is the same with every lever: none is queued (13 config_error trials
+    once); an OOM, or a recipe that ran too near the budget, gets its levers."""
+    from src.sweep import recipe
+
+    cfg = compose_cfg(["trainer.per_device_train_batch_size=4", "trainer.output_dir=/tmp/unused"])
+    assert recipe.levers(cfg, {}), "the seed's recipe has levers to try"
+    for kind, expected in [("config_error", 0), ("data_error", 0), ("nan_loss", 0), ("oom", None), (None, None)]:
+        study = optuna.create_study()
+        attrs = {"trial.status": "failed" if kind else "ok", "sweep.recipe": True}
+        attrs |= {"failure.kind": kind} if kind else {"peak_vram_reserved_gib": 23.9}
+        _told(study, 1, 2, "ok")
+        frozen = study.trials[0]
+        frozen.user_attrs.clear()
+        frozen.user_attrs.update(attrs)
+        queued = recipe.queue_levers(study, cfg, frozen)
+        assert len(queued) == (expected if expected is not None else len(recipe.levers(cfg, frozen.params))), kind
+        assert expected is not None or queued, kind
