@@ -62,3 +62,27 @@ def test_levers_launch_only_on_a_recipe_that_failed_for_memory(root: Path) -> No
         queued = recipe.queue_levers(study, cfg, frozen)
         assert len(queued) == (expected if expected is not None else len(recipe.levers(cfg, frozen.params))), kind
         assert expected is not None or queued, kind
+
+
+def _marginal_process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None):
+    """Every setting runs, a hair under the budget: the recipe is marginal and gets its levers."""
+    from src.sweep.process import Outcome
+
+    budget = float(next(o.split("=", 1)[1] for o in overrides if o.startswith("hardware.vram_budget_gib=")))
+    metrics = {"tokens_per_s": 100.0, "peak_vram_reserved_gib": 0.99 * budget, "vram_budget_gib": budget}
+    return Outcome("ok", metrics=metrics)
+
+
+def test_n_trials_bounds_the_maps_trials_with_queued_settings(root: Path, monkeypatch) -> None:
+    """`sweep=demo hydra.sweeper.n_trials=2` ran 13 trials: the demo queues its 10 settings, the marginal recipe
+    queues 3 levers, and a waiting lever kept the study from full while each queued setting was popped before it.
+    Now the map holds n_trials trials and the levers run beyond them, counted apart (the bar grows by them)."""
+    from tests.test_sweep import _fake_sweep
+
+    budget = "hardware.vram_budget_gib=0.32"
+    _fake_sweep(monkeypatch, "bounded", 2, [budget], "sweep=demo", budget, queue_seed=True, process=_marginal_process)
+    trials = optuna.load_study(study_name="bounded", storage=f"sqlite:///{root}/sweeps/bounded/optuna.db").trials
+    levers = [t for t in trials if "sweep.lever" in t.user_attrs]
+    mapped = [t for t in trials if "sweep.lever" not in t.user_attrs]
+    assert len(mapped) == 2 and levers, [t.params for t in trials]
+    assert all(t.state.is_finished() for t in trials), "nothing left waiting"

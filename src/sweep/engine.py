@@ -261,6 +261,20 @@ class SweepEngine:
                 "model preparation failed (see %s); each trial will report the problem itself", log_dir / "prepare.log"
             )
 
+    def room(self, study: optuna.Study) -> int:
+        """How many more settings may be queued: `n_trials` bounds the map's trials, queued ones included (the
+        recipe's lever trials are apart: src/sweep/recipe.py)."""
+        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        queued = sum(1 for t in waiting if record.LEVER not in t.user_attrs)
+        return int(self.sweeper.n_trials) - self.store.occupied(study) - queued
+
+    def queue(self, study: optuna.Study, params: dict[str, Any], user_attrs: dict[str, Any] | None = None) -> bool:
+        """Queue one setting unless the study holds it already or has no room for it; whether it has room left."""
+        if self.room(study) <= 0:
+            return False
+        study.enqueue_trial(params, skip_if_exists=True, user_attrs=user_attrs)
+        return True
+
     def enqueue(self, study: optuna.Study) -> None:
         for i, params in enumerate(self.sweeper.enqueue_trials or []):
             params = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else dict(params)
@@ -276,7 +290,13 @@ class SweepEngine:
                 )
                 continue
             # The first queued setting is the user's recipe: the report answers what to change in it.
-            study.enqueue_trial(params, skip_if_exists=True, user_attrs={record.RECIPE: True} if i == 0 else None)
+            if not self.queue(study, params, {record.RECIPE: True} if i == 0 else None):
+                log.info(
+                    "hydra.sweeper.enqueue_trials[%d:] not queued: hydra.sweeper.n_trials=%d bounds the map's trials",
+                    i,
+                    self.sweeper.n_trials,
+                )
+                return
         self.enqueue_edge_first(study)
 
     def enqueue_edge_first(self, study: optuna.Study) -> None:
@@ -293,7 +313,8 @@ class SweepEngine:
         choices = [self.distributions[k].choices for k in names]  # a grid's space is categorical
         grid = [dict(zip(names, values, strict=True)) for values in itertools.product(*choices)]
         for params in self.memory.edge_order(grid, self.fixed):
-            study.enqueue_trial(params, skip_if_exists=True)
+            if not self.queue(study, params):
+                return
 
     def worker(self, study: optuna.Study, slot: Slot) -> None:
         """One slot's loop; an error of the engine's own (a store it cannot write) stops the whole sweep cleanly."""
