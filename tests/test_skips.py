@@ -86,3 +86,25 @@ def test_n_trials_bounds_the_maps_trials_with_queued_settings(root: Path, monkey
     mapped = [t for t in trials if "sweep.lever" not in t.user_attrs]
     assert len(mapped) == 2 and levers, [t.params for t in trials]
     assert all(t.state.is_finished() for t in trials), "nothing left waiting"
+
+
+def test_a_sweep_that_can_launch_nothing_new_stops_and_says_why(root: Path, monkeypatch, capsys) -> None:
+    """n_trials=10000 on a space measured out ran 1,355 skipped trials in 3 minutes: a finite space once every
+    setting is told, or any space after SKIPS_IN_A_ROW skipped proposals in a row, ends the sweep with one line."""
+    from src.sweep import engine
+    from tests.test_sweep import _fake_sweep, _ok_process
+
+    _fake_sweep(monkeypatch, "measured_out", 60, ["lora.r=choice(4,8)"], process=_ok_process)
+    out = capsys.readouterr().out
+    trials = optuna.load_study(study_name="measured_out", storage=f"sqlite:///{root}/sweeps/measured_out/optuna.db")
+    assert len(trials.trials) == 2, "both settings measured, nothing skipped"
+    assert "sweep ended early: all 2 settings of the space are on the map after 2 trials" in out
+    assert "n_trials=60" in out
+
+    monkeypatch.setattr(engine, "SKIPS_IN_A_ROW", 5)
+    monkeypatch.setattr(engine, "space_size", lambda distributions: None)  # as a space with a continuous knob
+    _fake_sweep(monkeypatch, "repeats", 60, ["lora.r=choice(4,8)"], process=_ok_process)
+    out = capsys.readouterr().out
+    trials = optuna.load_study(study_name="repeats", storage=f"sqlite:///{root}/sweeps/repeats/optuna.db").trials
+    assert len(trials) == 7 and [t.user_attrs["trial.status"] for t in trials[2:]] == ["skipped"] * 5
+    assert "sweep ended early: the last 5 proposals were all skipped" in out

@@ -71,6 +71,11 @@ log = logging.getLogger(__name__)
 quiet.install()  # sweeps started without src.train (src.cluster's workers, tests): the same quiet (src/quiet.py)
 
 
+# Proposals skipped in a row (repeats, certain or predicted OOMs) after which a sweep stops: it can launch nothing
+# new (a small space measured out, every remaining setting a certain OOM), and skips cost milliseconds each.
+SKIPS_IN_A_ROW = 50
+
+
 def _as_list(value: Any) -> list[str]:
     return [value] if isinstance(value, str) else [str(v) for v in value]
 
@@ -110,6 +115,8 @@ class SweepEngine:
         self.runs: SweepRuns | None = None
         self.memory: MemoryGate | None = None  # src/sweep/memory.py: predictions, predicted-OOM skips
         self.facts = SpaceFacts()
+        self.ended: str | None = None  # why the sweep stopped short of n_trials: nothing left to launch
+        self.skips_in_a_row = 0
         # What the trials would refuse for truncation; the sweep measures such settings and records what they cut.
         self.truncation_policy = float(config.preflight.max_truncated_answer_frac)
         # How every trial runs: a probe (hydra.sweeper.trial_overrides), and settings that cut answers measured and
@@ -204,6 +211,8 @@ class SweepEngine:
             self.tally.close_bar()
             self.close_parent(study)
         trials_dir = self.study_dir / "trials"
+        if self.ended:
+            print(self.ended)
         print(self.tally.summary(self.store.url, self.config.tracking.uri, trials_dir, self.report_command()))
 
     def report_command(self) -> str:
@@ -334,11 +343,13 @@ class SweepEngine:
             stopping.request(f"sweep stopped: the worker on slot {slot.name} failed: {what}", 1)
 
     def work(self, study: optuna.Study, slot: Slot) -> None:
-        while not stopping.is_set():
+        while not stopping.is_set() and self.ended is None:
             with self.store.lock():
                 self.recover(study)  # a worker elsewhere may have died since: its trials are failed here
                 full = self.store.full(study, self.sweeper.n_trials)
                 if full and not self.store.others_running(study):
+                    return
+                if not full and self.exhausted(study):
                     return
                 if not full:
                     trial = study.ask(self.distributions)
@@ -359,6 +370,28 @@ class SweepEngine:
                 if store_trouble(exc, {}) is not None:
                     raise  # a full disk: no trial is to blame, and the stores take nothing more
                 self.engine_error(study, trial, exc)
+
+    def exhausted(self, study: optuna.Study) -> bool:
+        """Whether every setting of a finite space is told (measured, failed by itself, or skipped) and nothing is
+        queued: a new proposal could only repeat one. Sets `ended`, the one line that says so."""
+        if self.custom or not self.sweeper.skip_duplicates or not self.distributions:
+            return False  # a custom space's suggestions are its own; without skips, repeats are measured again
+        size = space_size(self.distributions)
+        if size is None or study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return False
+        names = set(self.distributions)
+        told = {
+            tuple(sorted((k, repr(v)) for k, v in t.params.items()))
+            for t in study.get_trials(deepcopy=False, states=TOLD)
+            if set(t.params) == names and record.LEVER not in t.user_attrs
+        }
+        if len(told) < size:
+            return False
+        self.ended = (
+            f"sweep ended early: all {size} settings of the space are on the map after {self.store.occupied(study)} "
+            f"trials of hydra.sweeper.n_trials={self.sweeper.n_trials}; nothing new left to launch"
+        )
+        return True
 
     def engine_error(self, study: optuna.Study, trial: optuna.Trial, exc: Exception) -> None:
         log.exception("trial %d: engine error", trial.number)
@@ -392,6 +425,14 @@ class SweepEngine:
             *recipe.lever_overrides(trial),
         ]
         decision = self.gate(study, trial, overrides, run_id)
+        with self.lock:
+            self.skips_in_a_row = self.skips_in_a_row + 1 if decision is not None else 0
+            if self.skips_in_a_row >= SKIPS_IN_A_ROW and self.ended is None:
+                self.ended = (
+                    f"sweep ended early: the last {SKIPS_IN_A_ROW} proposals were all skipped (repeats or certain "
+                    f"OOMs: nothing new left to measure) after {self.store.occupied(study)} trials of "
+                    f"hydra.sweeper.n_trials={self.sweeper.n_trials}; widen the space to measure more"
+                )
         if decision is not None:
             self.teller.skip(study, trial, run_id, decision)
             return
@@ -465,6 +506,21 @@ class SweepEngine:
         for key, value in shares.items():
             trial.set_user_attr(key, value)
         tracking.log_metrics(self.runs.client, run_id, shares)
+
+
+def space_size(distributions: dict[str, BaseDistribution]) -> int | None:
+    """How many settings a space holds; None for one with a continuous knob."""
+    size = 1
+    for d in distributions.values():
+        if isinstance(d, optuna.distributions.CategoricalDistribution):
+            size *= len(d.choices)
+        elif isinstance(d, optuna.distributions.IntDistribution) and not d.log:
+            size *= (d.high - d.low) // d.step + 1
+        elif isinstance(d, optuna.distributions.FloatDistribution) and d.step is not None:
+            size *= int(round((d.high - d.low) / d.step)) + 1
+        else:
+            return None
+    return size
 
 
 def _join(workers: list[threading.Thread]) -> None:
