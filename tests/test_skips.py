@@ -108,3 +108,37 @@ def test_a_sweep_that_can_launch_nothing_new_stops_and_says_why(root: Path, monk
     trials = optuna.load_study(study_name="repeats", storage=f"sqlite:///{root}/sweeps/repeats/optuna.db").trials
     assert len(trials) == 7 and [t.user_attrs["trial.status"] for t in trials[2:]] == ["skipped"] * 5
     assert "sweep ended early: the last 5 proposals were all skipped" in out
+
+
+def test_the_summary_words_skips_by_reason_and_the_bar_counts_lever_trials(capsys) -> None:
+    """"skipped as repeats" was said of certain-OOM skips; the bar ran past its total ("13trial" of 3) as the
+    recipe's lever trials ran beyond n_trials: its total grows by them."""
+    from omegaconf import OmegaConf
+
+    from src.sweep.tally import Tally
+
+    study = optuna.create_study()
+    _told(study, 1, 2, "ok")
+    for reason in ("certain_oom", "certain_oom", "repeat"):
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={BATCH: 4, ACC: 1},
+                distributions=SPACE,
+                state=optuna.trial.TrialState.PRUNED,
+                user_attrs={"trial.status": "skipped", "skip.reason": reason},
+            )
+        )
+    tally = Tally("words", "tokens_per_s", True)
+    tally.refresh(study)
+    summary = tally.summary("sqlite:///x", "sqlite:///y", "trials", "python -m src.report words")
+    assert "4 trials finished, 1 ok, 3 skipped (2 certain OOMs, 1 repeat)" in summary
+    assert "as repeats" not in summary
+
+    tally.start_bar(OmegaConf.create({"n_trials": 3, "progress": True}))
+    assert tally.bar.total == 3
+    for lever in ("a", "b"):
+        study.enqueue_trial({BATCH: 1, ACC: 2}, user_attrs={"sweep.lever": f'["{lever}"]'})
+    tally.refresh(study)
+    tally.show(finished=1)
+    assert tally.bar.total == 5 and tally.bar.n <= tally.bar.total
+    tally.close_bar()
