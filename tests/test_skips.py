@@ -111,7 +111,7 @@ def test_a_sweep_that_can_launch_nothing_new_stops_and_says_why(root: Path, monk
 
 
 def test_the_summary_words_skips_by_reason_and_the_bar_counts_lever_trials(capsys) -> None:
-    """"skipped as repeats" was said of certain-OOM skips; the bar ran past its total ("13trial" of 3) as the
+    """ "skipped as repeats" was said of certain-OOM skips; the bar ran past its total ("13trial" of 3) as the
     recipe's lever trials ran beyond n_trials: its total grows by them."""
     from omegaconf import OmegaConf
 

@@ -16,7 +16,6 @@ from src.record import failure_kind, retried_numbers
 from src.redact import redact_text
 from src.sweep.storage import FINISHED
 
-
 # skip.reason in words: (one, several)
 _SKIP_WORDS = {
     "repeat": ("repeat", "repeats"),
@@ -113,7 +112,7 @@ class Tally:
         return redact_text("\n".join(lines))
 
     def skipped(self) -> str:
-        """"4 skipped (3 certain OOMs, 1 repeat)": the skips by their reason (skip.reason)."""
+        """ "4 skipped (3 certain OOMs, 1 repeat)": the skips by their reason (skip.reason)."""
         total = self.counts["skipped"]
         reasons = [(k[8:], v) for k, v in sorted(self.counts.items()) if k.startswith("skipped_") and v]
         words = ", ".join(f"{v} {_SKIP_WORDS.get(k, (k, k))[v != 1]}" for k, v in reasons)
