@@ -142,3 +142,27 @@ def test_the_summary_words_skips_by_reason_and_the_bar_counts_lever_trials(capsy
     tally.show(finished=1)
     assert tally.bar.total == 5 and tally.bar.n <= tally.bar.total
     tally.close_bar()
+
+
+def test_the_readmes_tab_completion_completes_python_m_src_train(root: Path, tmp_path: Path) -> None:
+    """Hydra's `--shell-completion install=bash` completes nothing for `python -m src.train`: the README's function
+    does, as bash calls it (COMP_LINE, COMP_WORDS, COMP_CWORD), with the venv's python."""
+    import re
+    import subprocess
+    import sys
+
+    from src.config import PROJECT_DIR
+
+    readme = (PROJECT_DIR / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "_qlora_train_complete" in b)
+    (tmp_path / "complete.sh").write_text(block)
+    script = f"""
+source {tmp_path / "complete.sh"}
+for COMP_LINE in "python -m src.train trainer.per_device" "python -m src.train lora.r=16 sweep=de"; do
+  read -ra COMP_WORDS <<< "$COMP_LINE"; COMP_CWORD=$((${{#COMP_WORDS[@]}}-1)); COMP_POINT=${{#COMP_LINE}}
+  _qlora_train_complete; echo "${{COMPREPLY[*]}}"
+done
+"""
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "QLORA_ROOT": str(root)}
+    done = subprocess.run(["bash", "-c", script], cwd=PROJECT_DIR, env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["trainer.per_device_train_batch_size=", "sweep=demo"], done.stderr
