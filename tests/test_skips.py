@@ -90,7 +90,7 @@ def test_n_trials_bounds_the_maps_trials_with_queued_settings(root: Path, monkey
 
 def test_a_sweep_that_can_launch_nothing_new_stops_and_says_why(root: Path, monkeypatch, capsys) -> None:
     """n_trials=10000 on a space measured out ran 1,355 skipped trials in 3 minutes: a finite space once every
-    setting is told, or any space after SKIPS_IN_A_ROW skipped proposals in a row, ends the sweep with one line."""
+    setting is told, or any space after hydra.sweeper.max_skips_in_a_row skipped proposals in a row, ends the sweep with one line."""
     from src.sweep import engine
     from tests.test_sweep import _fake_sweep, _ok_process
 
@@ -101,9 +101,9 @@ def test_a_sweep_that_can_launch_nothing_new_stops_and_says_why(root: Path, monk
     assert "sweep ended early: all 2 settings of the space are on the map after 2 trials" in out
     assert "n_trials=60" in out
 
-    monkeypatch.setattr(engine, "SKIPS_IN_A_ROW", 5)
     monkeypatch.setattr(engine, "space_size", lambda distributions: None)  # as a space with a continuous knob
-    _fake_sweep(monkeypatch, "repeats", 60, ["lora.r=choice(4,8)"], process=_ok_process)
+    space = ["lora.r=choice(4,8)"]
+    _fake_sweep(monkeypatch, "repeats", 60, space, "hydra.sweeper.max_skips_in_a_row=5", process=_ok_process)
     out = capsys.readouterr().out
     trials = optuna.load_study(study_name="repeats", storage=f"sqlite:///{root}/sweeps/repeats/optuna.db").trials
     assert len(trials) == 7 and [t.user_attrs["trial.status"] for t in trials[2:]] == ["skipped"] * 5

@@ -71,8 +71,9 @@ log = logging.getLogger(__name__)
 quiet.install()  # sweeps started without src.train (src.cluster's workers, tests): the same quiet (src/quiet.py)
 
 
-# Proposals skipped in a row (repeats, certain or predicted OOMs) after which a sweep stops: it can launch nothing
-# new (a small space measured out, every remaining setting a certain OOM), and skips cost milliseconds each.
+# hydra.sweeper.max_skips_in_a_row's default: proposals skipped in a row (repeats, certain or predicted OOMs) after
+# which a sweep stops, as it can launch nothing new (every remaining setting a repeat or a certain OOM); skips cost
+# milliseconds each, so a sweep that only skips would otherwise make thousands of empty trials.
 SKIPS_IN_A_ROW = 50
 
 
@@ -117,6 +118,11 @@ class SweepEngine:
         self.facts = SpaceFacts()
         self.ended: str | None = None  # why the sweep stopped short of n_trials: nothing left to launch
         self.skips_in_a_row = 0
+        self.max_skips = int(self.sweeper.get("max_skips_in_a_row", SKIPS_IN_A_ROW))
+        if self.max_skips < 0:
+            raise SpaceError(
+                f"hydra.sweeper.max_skips_in_a_row={self.max_skips}: must be at least 0 (0: the sweep never ends early)"
+            )
         # What the trials would refuse for truncation; the sweep measures such settings and records what they cut.
         self.truncation_policy = float(config.preflight.max_truncated_answer_frac)
         # How every trial runs: a probe (hydra.sweeper.trial_overrides), and settings that cut answers measured and
@@ -374,7 +380,7 @@ class SweepEngine:
     def exhausted(self, study: optuna.Study) -> bool:
         """Whether every setting of a finite space is told (measured, failed by itself, or skipped) and nothing is
         queued: a new proposal could only repeat one. Sets `ended`, the one line that says so."""
-        if self.custom or not self.sweeper.skip_duplicates or not self.distributions:
+        if self.custom or not self.sweeper.skip_duplicates or not self.distributions or not self.max_skips:
             return False  # a custom space's suggestions are its own; without skips, repeats are measured again
         size = space_size(self.distributions)
         if size is None or study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
@@ -427,11 +433,12 @@ class SweepEngine:
         decision = self.gate(study, trial, overrides, run_id)
         with self.lock:
             self.skips_in_a_row = self.skips_in_a_row + 1 if decision is not None else 0
-            if self.skips_in_a_row >= SKIPS_IN_A_ROW and self.ended is None:
+            if 0 < self.max_skips <= self.skips_in_a_row and self.ended is None:
                 self.ended = (
-                    f"sweep ended early: the last {SKIPS_IN_A_ROW} proposals were all skipped (repeats or certain "
+                    f"sweep ended early: the last {self.max_skips} proposals were all skipped (repeats or certain "
                     f"OOMs: nothing new left to measure) after {self.store.occupied(study)} trials of "
-                    f"hydra.sweeper.n_trials={self.sweeper.n_trials}; widen the space to measure more"
+                    f"hydra.sweeper.n_trials={self.sweeper.n_trials}; widen the space to measure more "
+                    "(hydra.sweeper.max_skips_in_a_row=0 never ends early)"
                 )
         if decision is not None:
             self.teller.skip(study, trial, run_id, decision)
