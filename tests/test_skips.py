@@ -166,3 +166,13 @@ done
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "QLORA_ROOT": str(root)}
     done = subprocess.run(["bash", "-c", script], cwd=PROJECT_DIR, env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.splitlines() == ["trainer.per_device_train_batch_size=", "sweep=demo"], done.stderr
+
+
+def test_a_negative_max_skips_in_a_row_is_refused_naming_the_key(root: Path) -> None:
+    import pytest
+
+    from src.sweep.space import SpaceError
+
+    cfg = compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.max_skips_in_a_row=-1", "trainer.output_dir=/tmp/unused"])
+    with pytest.raises(SpaceError, match=r"hydra.sweeper.max_skips_in_a_row=-1: must be at least 0"):
+        SweepEngine(cfg, [])
