@@ -185,6 +185,8 @@ def test_optunas_tools_read_a_sweep_as_it_ran(
 ) -> None:
     name = f"native-{sampler}"
     sampled = f"hydra/sweeper/sampler={sampler}"
+    # The space's 4 settings, then repeats (skips) to tell: a finite space measured out would end the sweep first.
+    monkeypatch.setattr("src.sweep.engine.space_size", lambda distributions: None)
     cfg = _fake_sweep(monkeypatch, name, 7, SPACE, QUEUE, sampled, process=_fake_trial)
     trials = assert_native(root, name, ["tokens_per_s"], state)
     reasons = {t.user_attrs.get("skip.reason") for t in trials if t.user_attrs["trial.status"] == "skipped"}

@@ -275,6 +275,7 @@ def shared_study(
         "hydra.sweeper.heartbeat_interval_s=1",
         "hydra.sweeper.grace_period_s=8",  # a live trial's heartbeat can lag seconds on two loaded cores
         "hydra.sweeper.retry_failed_trials=true",
+        "hydra.sweeper.max_skips_in_a_row=0",  # the two settings measured, the repeats go on to n_trials
         "hydra.sweeper.trial_overrides=['trainer.max_steps=12']",  # still training when its worker dies
     ]
     args = sweep_args("shared", storage, 10, tracking_server, *space)

@@ -52,6 +52,7 @@ class OptunaSweeperConf:
     grace_period_s: int = MISSING
     headroom_margin: float = MISSING
     skip_duplicates: bool = MISSING
+    max_skips_in_a_row: int = MISSING
     memory_monotone: dict[str, str] = field(default_factory=memory_directions)
     preload: Any = MISSING
     progress: bool = MISSING

@@ -71,6 +71,12 @@ log = logging.getLogger(__name__)
 quiet.install()  # sweeps started without src.train (src.cluster's workers, tests): the same quiet (src/quiet.py)
 
 
+# hydra.sweeper.max_skips_in_a_row's default: proposals skipped in a row (repeats, certain or predicted OOMs) after
+# which a sweep stops, as it can launch nothing new (every remaining setting a repeat or a certain OOM); skips cost
+# milliseconds each, so a sweep that only skips would otherwise make thousands of empty trials.
+SKIPS_IN_A_ROW = 50
+
+
 def _as_list(value: Any) -> list[str]:
     return [value] if isinstance(value, str) else [str(v) for v in value]
 
@@ -110,6 +116,13 @@ class SweepEngine:
         self.runs: SweepRuns | None = None
         self.memory: MemoryGate | None = None  # src/sweep/memory.py: predictions, predicted-OOM skips
         self.facts = SpaceFacts()
+        self.ended: str | None = None  # why the sweep stopped short of n_trials: nothing left to launch
+        self.skips_in_a_row = 0
+        self.max_skips = int(self.sweeper.get("max_skips_in_a_row", SKIPS_IN_A_ROW))
+        if self.max_skips < 0:
+            raise SpaceError(
+                f"hydra.sweeper.max_skips_in_a_row={self.max_skips}: must be at least 0 (0: the sweep never ends early)"
+            )
         # What the trials would refuse for truncation; the sweep measures such settings and records what they cut.
         self.truncation_policy = float(config.preflight.max_truncated_answer_frac)
         # How every trial runs: a probe (hydra.sweeper.trial_overrides), and settings that cut answers measured and
@@ -204,6 +217,8 @@ class SweepEngine:
             self.tally.close_bar()
             self.close_parent(study)
         trials_dir = self.study_dir / "trials"
+        if self.ended:
+            print(self.ended)
         print(self.tally.summary(self.store.url, self.config.tracking.uri, trials_dir, self.report_command()))
 
     def report_command(self) -> str:
@@ -261,6 +276,20 @@ class SweepEngine:
                 "model preparation failed (see %s); each trial will report the problem itself", log_dir / "prepare.log"
             )
 
+    def room(self, study: optuna.Study) -> int:
+        """How many more settings may be queued: `n_trials` bounds the map's trials, queued ones included (the
+        recipe's lever trials are apart: src/sweep/recipe.py)."""
+        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        queued = sum(1 for t in waiting if record.LEVER not in t.user_attrs)
+        return int(self.sweeper.n_trials) - self.store.occupied(study) - queued
+
+    def queue(self, study: optuna.Study, params: dict[str, Any], user_attrs: dict[str, Any] | None = None) -> bool:
+        """Queue one setting unless the study holds it already or has no room for it; whether it has room left."""
+        if self.room(study) <= 0:
+            return False
+        study.enqueue_trial(params, skip_if_exists=True, user_attrs=user_attrs)
+        return True
+
     def enqueue(self, study: optuna.Study) -> None:
         for i, params in enumerate(self.sweeper.enqueue_trials or []):
             params = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else dict(params)
@@ -276,7 +305,13 @@ class SweepEngine:
                 )
                 continue
             # The first queued setting is the user's recipe: the report answers what to change in it.
-            study.enqueue_trial(params, skip_if_exists=True, user_attrs={record.RECIPE: True} if i == 0 else None)
+            if not self.queue(study, params, {record.RECIPE: True} if i == 0 else None):
+                log.info(
+                    "hydra.sweeper.enqueue_trials[%d:] not queued: hydra.sweeper.n_trials=%d bounds the map's trials",
+                    i,
+                    self.sweeper.n_trials,
+                )
+                return
         self.enqueue_edge_first(study)
 
     def enqueue_edge_first(self, study: optuna.Study) -> None:
@@ -293,7 +328,8 @@ class SweepEngine:
         choices = [self.distributions[k].choices for k in names]  # a grid's space is categorical
         grid = [dict(zip(names, values, strict=True)) for values in itertools.product(*choices)]
         for params in self.memory.edge_order(grid, self.fixed):
-            study.enqueue_trial(params, skip_if_exists=True)
+            if not self.queue(study, params):
+                return
 
     def worker(self, study: optuna.Study, slot: Slot) -> None:
         """One slot's loop; an error of the engine's own (a store it cannot write) stops the whole sweep cleanly."""
@@ -313,11 +349,13 @@ class SweepEngine:
             stopping.request(f"sweep stopped: the worker on slot {slot.name} failed: {what}", 1)
 
     def work(self, study: optuna.Study, slot: Slot) -> None:
-        while not stopping.is_set():
+        while not stopping.is_set() and self.ended is None:
             with self.store.lock():
                 self.recover(study)  # a worker elsewhere may have died since: its trials are failed here
                 full = self.store.full(study, self.sweeper.n_trials)
                 if full and not self.store.others_running(study):
+                    return
+                if not full and self.exhausted(study):
                     return
                 if not full:
                     trial = study.ask(self.distributions)
@@ -338,6 +376,28 @@ class SweepEngine:
                 if store_trouble(exc, {}) is not None:
                     raise  # a full disk: no trial is to blame, and the stores take nothing more
                 self.engine_error(study, trial, exc)
+
+    def exhausted(self, study: optuna.Study) -> bool:
+        """Whether every setting of a finite space is told (measured, failed by itself, or skipped) and nothing is
+        queued: a new proposal could only repeat one. Sets `ended`, the one line that says so."""
+        if self.custom or not self.sweeper.skip_duplicates or not self.distributions or not self.max_skips:
+            return False  # a custom space's suggestions are its own; without skips, repeats are measured again
+        size = space_size(self.distributions)
+        if size is None or study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return False
+        names = set(self.distributions)
+        told = {
+            tuple(sorted((k, repr(v)) for k, v in t.params.items()))
+            for t in study.get_trials(deepcopy=False, states=TOLD)
+            if set(t.params) == names and record.LEVER not in t.user_attrs
+        }
+        if len(told) < size:
+            return False
+        self.ended = (
+            f"sweep ended early: all {size} settings of the space are on the map after {self.store.occupied(study)} "
+            f"trials of hydra.sweeper.n_trials={self.sweeper.n_trials}; nothing new left to launch"
+        )
+        return True
 
     def engine_error(self, study: optuna.Study, trial: optuna.Trial, exc: Exception) -> None:
         log.exception("trial %d: engine error", trial.number)
@@ -371,6 +431,15 @@ class SweepEngine:
             *recipe.lever_overrides(trial),
         ]
         decision = self.gate(study, trial, overrides, run_id)
+        with self.lock:
+            self.skips_in_a_row = self.skips_in_a_row + 1 if decision is not None else 0
+            if 0 < self.max_skips <= self.skips_in_a_row and self.ended is None:
+                self.ended = (
+                    f"sweep ended early: the last {self.max_skips} proposals were all skipped (repeats or certain "
+                    f"OOMs: nothing new left to measure) after {self.store.occupied(study)} trials of "
+                    f"hydra.sweeper.n_trials={self.sweeper.n_trials}; widen the space to measure more "
+                    "(hydra.sweeper.max_skips_in_a_row=0 never ends early)"
+                )
         if decision is not None:
             self.teller.skip(study, trial, run_id, decision)
             return
@@ -444,6 +513,21 @@ class SweepEngine:
         for key, value in shares.items():
             trial.set_user_attr(key, value)
         tracking.log_metrics(self.runs.client, run_id, shares)
+
+
+def space_size(distributions: dict[str, BaseDistribution]) -> int | None:
+    """How many settings a space holds; None for one with a continuous knob."""
+    size = 1
+    for d in distributions.values():
+        if isinstance(d, optuna.distributions.CategoricalDistribution):
+            size *= len(d.choices)
+        elif isinstance(d, optuna.distributions.IntDistribution) and not d.log:
+            size *= (d.high - d.low) // d.step + 1
+        elif isinstance(d, optuna.distributions.FloatDistribution) and d.step is not None:
+            size *= int(round((d.high - d.low) / d.step)) + 1
+        else:
+            return None
+    return size
 
 
 def _join(workers: list[threading.Thread]) -> None:

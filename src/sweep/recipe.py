@@ -13,7 +13,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from src import knobs
 from src.config import override_value
-from src.record import LEVER, LEVER_OF  # a lever trial's overrides (JSON list); the recipe trial's number
+from src.failures import MEMORY
+from src.record import (  # LEVER: a lever trial's overrides (JSON list); the recipe trial's number
+    LEVER,
+    LEVER_OF,
+    recorded_kind,
+    status,
+)
 
 
 def lever_overrides(trial: Any) -> list[str]:
@@ -40,7 +46,11 @@ def levers(config: DictConfig, recipe_params: dict[str, Any]) -> list[list[str]]
 
 
 def queue_levers(study: optuna.Study, config: DictConfig, recipe: optuna.trial.FrozenTrial) -> list[list[str]]:
-    """Queue the recipe's lever trials once (a resumed sweep finds them queued or done); returns those queued."""
+    """Queue the recipe's lever trials once (a resumed sweep finds them queued or done); returns those queued.
+    None queued for a recipe that failed for a reason no lever addresses (a config or data error, a crash...): the levers
+    save memory, so only a memory failure or a setting that runs too near the budget has them."""
+    if addressed_by_no_lever(recipe):
+        return []
     done = {t.user_attrs.get(LEVER) for t in study.get_trials(deepcopy=False) if t.user_attrs.get(LEVER_OF) is not None}
     queued = []
     for overrides in levers(config, dict(recipe.params)):
@@ -49,3 +59,11 @@ def queue_levers(study: optuna.Study, config: DictConfig, recipe: optuna.trial.F
         study.enqueue_trial(dict(recipe.params), user_attrs={LEVER: json.dumps(overrides), LEVER_OF: recipe.number})
         queued.append(overrides)
     return queued
+
+
+def addressed_by_no_lever(recipe: optuna.trial.FrozenTrial) -> bool:
+    """Whether the recipe failed (or was skipped) for a reason other than memory: every lever would fail alike."""
+    kind = recorded_kind(recipe.user_attrs)
+    if status(recipe.user_attrs) == "failed":
+        return kind not in MEMORY
+    return status(recipe.user_attrs) == "skipped" and kind is not None and kind not in MEMORY

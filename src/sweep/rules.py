@@ -150,22 +150,36 @@ class LaunchRules:
         higher rank, checkpointing off) and does not move with its `neutral` ones (accumulation and batch
         order, on padded batches); with every other knob equal, a proposal at or beyond an OOM setting on each
         of them would OOM too. It is not launched (`skipped`) and Optuna is told it is infeasible.
+
+        A setting measured ok is never a certain OOM, and an OOM that a measured ok setting needing at least its
+        memory contradicts (a flaky OOM, or a knob's rule that does not hold here) is no evidence for any other.
         """
         if not self.monotone:
             return None
         proposal = trial.params
-        for t in study.get_trials(deepcopy=False, states=TOLD):
+        told = study.get_trials(deepcopy=False, states=TOLD)
+        comparable = [
+            t for t in told if set(t.params) == set(proposal) and lever_overrides(t) == lever_overrides(trial)
+        ]
+        fits = [t.params for t in comparable if record.status(t.user_attrs) == "ok"]
+        if any(self.needs_at_least(ok, proposal) for ok in fits):
+            return None  # something needing at least this setting's memory ran: it fits, or may
+        for t in comparable:  # a lever changes a knob outside the params: only the same lever compares
             if record.recorded_kind(t.user_attrs) not in MEMORY or record.status(t.user_attrs) != "failed":
                 continue
-            if set(t.params) != set(proposal) or lever_overrides(t) != lever_overrides(trial):
-                continue  # a lever changes a knob outside the params: only the same lever compares
-            # A packed (padding-free) micro-batch is as large as the rows packed into it: which rows share a
-            # batch (group_by_length) and how many rows the probe has (accumulation) then move the peak.
-            packed = self.packed(proposal) or self.packed(t.params)
-            rules = {k: ("equal" if packed and v == "neutral" else v) for k, v in self.monotone.items()}
-            if all(at_least(proposal[k], t.params[k], rules.get(k)) for k in proposal):
+            if any(self.needs_at_least(ok, t.params) for ok in fits):
+                continue  # contradicted by a measured setting: not a rule to extend
+            if self.needs_at_least(proposal, t.params):
                 return t
         return None
+
+    def needs_at_least(self, setting: dict[str, Any], reference: dict[str, Any]) -> bool:
+        """Whether `setting` needs at least `reference`'s memory on every knob (same knobs, by `memory_monotone`).
+        A packed (padding-free) micro-batch is as large as the rows packed into it: which rows share a batch
+        (group_by_length) and how many rows the probe has (accumulation) then move the peak."""
+        packed = self.packed(setting) or self.packed(reference)
+        rules = {k: ("equal" if packed and v == "neutral" else v) for k, v in self.monotone.items()}
+        return all(at_least(setting[k], reference[k], rules.get(k)) for k in setting)
 
     def packed(self, params: dict[str, Any]) -> bool:
         """Whether a setting trains on packed or padding-free batches (its own value, else the sweep's)."""

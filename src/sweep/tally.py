@@ -16,6 +16,13 @@ from src.record import failure_kind, retried_numbers
 from src.redact import redact_text
 from src.sweep.storage import FINISHED
 
+# skip.reason in words: (one, several)
+_SKIP_WORDS = {
+    "repeat": ("repeat", "repeats"),
+    "certain_oom": ("certain OOM", "certain OOMs"),
+    "predicted_oom": ("predicted OOM", "predicted OOMs"),
+}
+
 
 class Tally:
     def __init__(self, study_name: str, objective: str, maximize: bool) -> None:
@@ -25,6 +32,7 @@ class Tally:
         self.counts: Counter[str] = Counter()
         self.best: tuple[float, int] | None = None
         self.bar: Any = None
+        self.n_trials = 0
 
     def refresh(self, study: optuna.Study) -> None:
         """Recount the finished trials (a retried one counts by its retry); running ones are counted as they go."""
@@ -40,6 +48,7 @@ class Tally:
             status = record.status(t.user_attrs)
             if status == "skipped":
                 self.counts["skipped"] += 1
+                self.counts[f"skipped_{t.user_attrs.get(record.SKIP_REASON, 'repeat')}"] += 1
             elif status == "ok":
                 self.counts["ok"] += 1
                 value = t.user_attrs.get(self.objective)
@@ -49,13 +58,20 @@ class Tally:
                 self.counts[f"failed_{failure_kind(t) or 'other'}"] += 1
                 self.counts["failed"] += 1
         self.best = best
+        # the recipe's lever trials run beyond n_trials (src/sweep/recipe.py): the bar's total grows by them
+        self.counts["levers"] = sum(1 for t in trials if record.LEVER in t.user_attrs)
+
+    def total(self) -> int:
+        """The trials the sweep runs: n_trials, and the recipe's lever trials beyond them."""
+        return self.n_trials + self.counts["levers"]
 
     def start_bar(self, sweeper: DictConfig) -> None:
         from tqdm.auto import tqdm
 
+        self.n_trials = int(sweeper.n_trials)
         self.bar = tqdm(
-            total=sweeper.n_trials,
-            initial=min(self.counts["finished"], sweeper.n_trials),
+            total=self.total(),
+            initial=min(self.counts["finished"], self.total()),
             desc=self.study_name,
             unit="trial",
             disable=not sweeper.progress,
@@ -67,6 +83,9 @@ class Tally:
         """Advance the bar by `finished` trials and show the counts beside it."""
         if self.bar is None:
             return
+        if self.bar.total != self.total():
+            self.bar.total = self.total()
+            self.bar.refresh()
         if finished:
             self.bar.update(finished)
         failed = " ".join(f"{k[7:]}={v}" for k, v in sorted(self.counts.items()) if k.startswith("failed_"))
@@ -84,13 +103,20 @@ class Tally:
         failed = ", ".join(f"{v} {k[7:]}" for k, v in sorted(self.counts.items()) if k.startswith("failed_"))
         lines = [
             f"\nstudy '{self.study_name}': {self.counts['finished']} trials finished, {self.counts['ok']} ok, "
-            f"{self.counts['skipped']} skipped as repeats" + (f", failed: {failed}" if failed else "")
+            f"{self.skipped()}" + (f", failed: {failed}" if failed else "")
         ]
         if self.best:
             lines.append(f"best {self.objective}: {self.best[0]:.4g} (trial {self.best[1]})")
         lines.append(f"storage: {storage_url}  |  MLflow: {tracking_uri} (experiment '{self.study_name}')")
         lines.append(f"trial logs: {trials_dir}  |  map: {report}")
         return redact_text("\n".join(lines))
+
+    def skipped(self) -> str:
+        """ "4 skipped (3 certain OOMs, 1 repeat)": the skips by their reason (skip.reason)."""
+        total = self.counts["skipped"]
+        reasons = [(k[8:], v) for k, v in sorted(self.counts.items()) if k.startswith("skipped_") and v]
+        words = ", ".join(f"{v} {_SKIP_WORDS.get(k, (k, k))[v != 1]}" for k, v in reasons)
+        return f"{total} skipped" + (f" ({words})" if words else "")
 
     def complete(self, n_trials: int, report: str, fresh_name: str) -> str:
         """One line for a sweep run again on a study that already holds its `n_trials` finished trials."""
