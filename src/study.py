@@ -372,8 +372,9 @@ def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
     stale = kind == STALE_KIND and record.recorded_kind(a) is None
     return TrialRow(
         number=t.number,
-        params=dict(t.params),
-        distributions=dict(t.distributions),
+        # A lever trial's lever param is its lever (below), not a knob
+        params={k: v for k, v in t.params.items() if k != record.LEVER_PARAM},
+        distributions={k: v for k, v in t.distributions.items() if k != record.LEVER_PARAM},
         verdict=verdict,
         detail=detail,
         metrics={k: float(v) for k, v in a.items() if _is_metric(k, v)},

@@ -238,3 +238,35 @@ def test_outside_tools_pick_the_reports_best_stable_not_a_faster_marginal(
     assert shown[0]["constraints"][0] <= 0
     # optuna-dashboard 0.21's "Best Trial" card ranks COMPLETE trials by value alone (storage.get_best_trial, no
     # constraints): the README says so; its trial list marks trial 1 infeasible from the record above.
+
+
+def test_outside_tools_see_each_lever_trial_as_a_setting_of_its_own(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recipe is marginal, so its memory levers run on its params; each lever trial carries its lever as an
+    Optuna param of its own, so Optuna's tools and the dashboard see distinct settings, not one setting with several
+    outcomes, while the report, reading `sweep.lever`, keeps the param out of the knobs."""
+    name = "native-levers"
+    queue = "hydra.sweeper.enqueue_trials=[{lora.r:16}]"
+    cfg = _fake_sweep(monkeypatch, name, 1, ["lora.r=choice(8,16)"], queue, process=_marginal_is_faster)
+    storage = _storage(root, name)
+    study = optuna.load_study(study_name=name, storage=storage)
+    recipe, *levers = study.trials
+    assert len(levers) >= 2 and all(t.user_attrs["sweep.lever_of"] == 0 for t in levers)
+    settings = [tuple(sorted(t.params.items())) for t in study.trials]
+    assert len(set(settings)) == len(settings), settings
+    for t in levers:
+        assert t.params["lever"] == ", ".join(json.loads(t.user_attrs["sweep.lever"]))
+        assert t.params["lora.r"] == recipe.params["lora.r"]
+    assert "lever" not in recipe.params
+
+    (summary,) = [s for s in _dashboard(storage, "/api/studies")["study_summaries"] if s["study_name"] == name]
+    detail = _dashboard(storage, f"/api/studies/{summary['study_id']}")
+    shown = [tuple(sorted((p["name"], p["param_external_value"]) for p in t["params"])) for t in detail["trials"]]
+    assert len(set(shown)) == len(shown), shown
+    assert {p["name"] for p in detail["union_search_space"]} == {"lora.r", "lever"}
+    _dashboard(storage, f"/api/studies/{summary['study_id']}/param_importances")  # computes without error
+
+    sweep = report.load(name, root / "sweeps", tracking_uri=str(cfg.tracking.uri))
+    assert sweep.knobs == ["lora.r"]
+    assert all(sweep.row(t.number).lever and "lever" not in sweep.row(t.number).params for t in levers)
