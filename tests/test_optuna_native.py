@@ -98,7 +98,8 @@ def assert_native(
     for t in by["skipped"]:
         origin = study.trials[t.user_attrs["skipped.because_of"]]
         assert recorded_constraints(t) == recorded_constraints(origin), "the origin's constraint record"
-        assert t.state == (infeasible_state if _infeasible(origin) else TrialState.PRUNED), t.user_attrs
+        unmeasured = origin.user_attrs["trial.status"] != "ok"  # a marginal origin's repeat is PRUNED too
+        assert t.state == (infeasible_state if _infeasible(origin) and unmeasured else TrialState.PRUNED), t.user_attrs
         assert t.state != TrialState.COMPLETE or _infeasible(t), "a repeat is never a second measurement"
     assert [t for t in by["skipped"] if not _infeasible(t)] or not skips, "a repeat of a measured setting was skipped"
     assert [t for t in by["failed"] if t.user_attrs["failure.kind"] == "oom"]
@@ -208,18 +209,23 @@ def _marginal_is_faster(overrides: list[str], log_dir: Path, env: dict, sweeper:
     return Outcome("ok", metrics=metrics)
 
 
+@pytest.mark.parametrize("sampler", ["tpe", "gp"])
 def test_outside_tools_pick_the_reports_best_stable_not_a_faster_marginal(
-    root: Path, monkeypatch: pytest.MonkeyPatch
+    root: Path, monkeypatch: pytest.MonkeyPatch, sampler: str
 ) -> None:
     """A setting inside the headroom margin is not feasible for promotion: `study.best_trials` and `optuna
     best-trials` name the report's best stable trial, not the faster marginal one, and optuna-dashboard lists the
     marginal one infeasible."""
     name = "native-marginal"
     queue = "hydra.sweeper.enqueue_trials=[{lora.r:8},{lora.r:16}]"
-    cfg = _fake_sweep(monkeypatch, name, 2, ["lora.r=choice(8,16)"], queue, process=_marginal_is_faster)
+    space, sampled = ["lora.r=choice(8,16)"], f"hydra/sweeper/sampler={sampler}"
+    cfg = _fake_sweep(monkeypatch, name, 4, space, queue, sampled, process=_marginal_is_faster)
     storage = _storage(root, name)
     study = optuna.load_study(study_name=name, storage=storage)
-    stable, marginal = study.trials
+    stable, marginal, *repeats = study.trials
+    assert repeats and all(t.user_attrs["trial.status"] == "skipped" for t in repeats)
+    for t in repeats:  # a repeat of a measured setting, marginal or not: never a second value, whatever the sampler
+        assert t.state == TrialState.PRUNED and t.values is None, (t.number, t.state, t.values)
     assert (stable.params["lora.r"], marginal.params["lora.r"]) == (8, 16)
     assert marginal.values[0] > stable.values[0], "the marginal setting is the faster one"
 

@@ -85,8 +85,10 @@ class Teller:
 
     def skip(self, study: optuna.Study, trial: optuna.Trial, run_id: str, decision: Skip) -> None:
         """Not launched; every skip goes through here (src/sweep/rules.py Skip: why, in words, and what tells the
-        setting). Nothing was measured: a violated record is told as an infeasible setting is (`tell_infeasible`),
-        anything else PRUNED without a value. Written on the trial first, so a worker that dies midway is redone
+        setting). Nothing was measured: a violated record of a setting that did not run (an OOM, a refused or
+        predicted one) is told as an infeasible setting is (`tell_infeasible`); anything else, a repeat of a measured
+        setting too (a marginal one keeps its violated record), PRUNED without a value: its original already tells
+        every sampler its value. Written on the trial first, so a worker that dies midway is redone
         alike."""
         self.lever_param(trial)
         original, constraints, failure_kind = decision.original, decision.constraints, decision.failure_kind
@@ -104,7 +106,8 @@ class Teller:
         tracking.set_tags(self.runs.client, run_id, tags)
         self.runs.mark_skipped(run_id, trial.number, trial.params, decision.why, because)
         self.runs.client.set_terminated(run_id, "FINISHED")
-        if infeasible(constraints):
+        measured = original is not None and record.status(original.user_attrs) == "ok"
+        if infeasible(constraints) and not measured:
             self.tell_infeasible(study, trial, constraints, metrics)
         else:
             tell(study, trial, state=TrialState.PRUNED)
