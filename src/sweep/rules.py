@@ -1,8 +1,9 @@
 """The launch rules: which proposals are not launched (a repeat of a measured setting, a certain OOM) and how a
 failure is told to Optuna so that the sampler steers away from the settings that cause it.
 
-How each trial is told, so that Optuna's own tools (`Study.best_trials`, `optuna best-trials`, optuna-dashboard)
-read it as the sweep does and the sampler learns what it can:
+How each trial is told, so that Optuna's own tools (`Study.best_trials`, `optuna best-trials`, optuna-dashboard's
+trial list; its "Best Trial" card ranks by value alone, see the README) read it as the sweep does and the sampler
+learns what it can:
 
 - measured (`trial.status=ok`): COMPLETE with its objectives and its constraint record (`CONSTRAINTS_KEY`), feasible
   when it left the headroom margin free (the report's stable), violated when it did not (the report's marginal), so
