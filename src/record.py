@@ -43,6 +43,10 @@ SLOT = "sweep.slot"  # the slot it ran on: cuda0, cuda0#2, cpu1
 RECIPE = "sweep.recipe"  # True on the user's recipe's trial
 LEVER = "sweep.lever"  # JSON list of the overrides a lever trial adds to the recipe
 LEVER_OF = "sweep.lever_of"  # a lever trial: the recipe trial's number
+# A lever trial's Optuna param (categorical, told with its outcome; no sampler suggests it): its overrides joined by
+# ", ", so Optuna's tools and the dashboard see a lever trial's setting apart from the recipe's. The report, the
+# soak and promotion read the lever from LEVER and leave this param out of a trial's knobs.
+LEVER_PARAM = "lever"
 ROLE = "sweep.role"  # parent | soak
 RUN_KIND = "run.kind"  # sweep (the parent) | trial | skipped | soak
 OPTUNA_STUDY = "optuna.study"
@@ -217,3 +221,8 @@ def retried_numbers(trials: Any) -> set[int]:
 def is_soak_key(key: str, value: Any) -> bool:
     """A study user attr that holds a finalist's soak record (`soak.<trial>`)."""
     return key.startswith(SOAK_PREFIX) and key.split(".", 1)[1].isdigit() and isinstance(value, dict)
+
+
+def lever_value(overrides: list[str]) -> str:
+    """A lever's LEVER_PARAM value: "trainer.gradient_checkpointing=true"."""
+    return ", ".join(overrides)

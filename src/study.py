@@ -166,11 +166,20 @@ def _below(value: float, limit: float) -> str:
     return f"{shown} < {bound}"
 
 
+def headroom_of(a: dict[str, Any], budget: float | None = None) -> float | None:
+    """A finished trial's headroom (the contract's: 1 - peak reserved / budget) from its metrics or attributes;
+    `budget` where the trial did not record its own; None when nothing measured its peak. The report's classes and
+    the sweep's constraint record (src/sweep/rules.py) both read it here."""
+    headroom = a.get("vram_headroom_frac")
+    budget = a.get("vram_budget_gib") or budget
+    if headroom is None and a.get("peak_vram_reserved_gib") is not None and budget:
+        headroom = 1.0 - a["peak_vram_reserved_gib"] / budget
+    return headroom
+
+
 def _finished(a: dict[str, Any], margin: float) -> tuple[str, str]:
     """A trial that ran to the end: stable, or marginal with the reasons."""
-    headroom = a.get("vram_headroom_frac")
-    if headroom is None and a.get("peak_vram_reserved_gib") is not None and a.get("vram_budget_gib"):
-        headroom = 1.0 - a["peak_vram_reserved_gib"] / a["vram_budget_gib"]
+    headroom = headroom_of(a)
     notes = []
     if headroom is None:
         notes.append("no VRAM measurement")
@@ -363,8 +372,9 @@ def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
     stale = kind == STALE_KIND and record.recorded_kind(a) is None
     return TrialRow(
         number=t.number,
-        params=dict(t.params),
-        distributions=dict(t.distributions),
+        # A lever trial's lever param is its lever (below), not a knob
+        params={k: v for k, v in t.params.items() if k != record.LEVER_PARAM},
+        distributions={k: v for k, v in t.distributions.items() if k != record.LEVER_PARAM},
         verdict=verdict,
         detail=detail,
         metrics={k: float(v) for k, v in a.items() if _is_metric(k, v)},

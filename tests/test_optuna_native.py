@@ -98,7 +98,8 @@ def assert_native(
     for t in by["skipped"]:
         origin = study.trials[t.user_attrs["skipped.because_of"]]
         assert recorded_constraints(t) == recorded_constraints(origin), "the origin's constraint record"
-        assert t.state == (infeasible_state if _infeasible(origin) else TrialState.PRUNED), t.user_attrs
+        unmeasured = origin.user_attrs["trial.status"] != "ok"  # a marginal origin's repeat is PRUNED too
+        assert t.state == (infeasible_state if _infeasible(origin) and unmeasured else TrialState.PRUNED), t.user_attrs
         assert t.state != TrialState.COMPLETE or _infeasible(t), "a repeat is never a second measurement"
     assert [t for t in by["skipped"] if not _infeasible(t)] or not skips, "a repeat of a measured setting was skipped"
     assert [t for t in by["failed"] if t.user_attrs["failure.kind"] == "oom"]
@@ -200,3 +201,80 @@ def test_optunas_tools_read_a_sweep_as_it_ran(
 # A real sweep's study, read by the same checks: tests/test_sweep.py::test_every_fault_kind_is_classified_and_the_sweep_goes_on
 # (forked trials of the tiny Llama on the CPU: a real OOM, refused data and config, crashes, a hang). Skips are the
 # engine's own (no trial process runs): the sweeps above make them, with the real storage, CLI and dashboard.
+
+
+def _marginal_is_faster(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbeat: Any = None) -> Outcome:
+    """Rank 16 is the faster setting but leaves 2% of the budget free (marginal at the 10% margin); rank 8 is stable."""
+    fast = dict(o.split("=", 1) for o in overrides)["lora.r"] == "16"
+    peak = BUDGET * 0.98 if fast else 8.0
+    metrics = {"tokens_per_s": 200.0 if fast else 100.0, "peak_vram_reserved_gib": peak, "vram_budget_gib": BUDGET}
+    return Outcome("ok", metrics=metrics)
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "gp"])
+def test_outside_tools_pick_the_reports_best_stable_not_a_faster_marginal(
+    root: Path, monkeypatch: pytest.MonkeyPatch, sampler: str
+) -> None:
+    """A setting inside the headroom margin is not feasible for promotion: `study.best_trials` and `optuna
+    best-trials` name the report's best stable trial, not the faster marginal one, and optuna-dashboard lists the
+    marginal one infeasible."""
+    name = "native-marginal"
+    queue = "hydra.sweeper.enqueue_trials=[{lora.r:8},{lora.r:16}]"
+    space, sampled = ["lora.r=choice(8,16)"], f"hydra/sweeper/sampler={sampler}"
+    cfg = _fake_sweep(monkeypatch, name, 4, space, queue, sampled, process=_marginal_is_faster)
+    storage = _storage(root, name)
+    study = optuna.load_study(study_name=name, storage=storage)
+    stable, marginal, *repeats = study.trials
+    assert repeats and all(t.user_attrs["trial.status"] == "skipped" for t in repeats)
+    for t in repeats:  # a repeat of a measured setting, marginal or not: never a second value, whatever the sampler
+        assert t.state == TrialState.PRUNED and t.values is None, (t.number, t.state, t.values)
+    assert (stable.params["lora.r"], marginal.params["lora.r"]) == (8, 16)
+    assert marginal.values[0] > stable.values[0], "the marginal setting is the faster one"
+
+    sweep = report.load(name, root / "sweeps", tracking_uri=str(cfg.tracking.uri))
+    assert (sweep.row(0).verdict, sweep.row(1).verdict) == ("stable", "marginal")
+    assert promote.choose(sweep, allow_unsoaked=True).number == 0
+
+    assert _infeasible(marginal) and not _infeasible(stable)
+    assert named_constraints(marginal)["vram_budget"] == pytest.approx(0.98 - 0.90)
+    assert [t.number for t in study.best_trials] == [0]
+    assert _best_trials_cli(storage, name) == [0]
+    (summary,) = [s for s in _dashboard(storage, "/api/studies")["study_summaries"] if s["study_name"] == name]
+    detail = _dashboard(storage, f"/api/studies/{summary['study_id']}")
+    shown = {t["number"]: t for t in detail["trials"]}
+    assert shown[1]["state"] == "Complete" and shown[1]["constraints"][0] > 0, "listed as infeasible"
+    assert shown[0]["constraints"][0] <= 0
+    # optuna-dashboard 0.21's "Best Trial" card ranks COMPLETE trials by value alone (storage.get_best_trial, no
+    # constraints): the README says so; its trial list marks trial 1 infeasible from the record above.
+
+
+def test_outside_tools_see_each_lever_trial_as_a_setting_of_its_own(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recipe is marginal, so its memory levers run on its params; each lever trial carries its lever as an
+    Optuna param of its own, so Optuna's tools and the dashboard see distinct settings, not one setting with several
+    outcomes, while the report, reading `sweep.lever`, keeps the param out of the knobs."""
+    name = "native-levers"
+    queue = "hydra.sweeper.enqueue_trials=[{lora.r:16}]"
+    cfg = _fake_sweep(monkeypatch, name, 1, ["lora.r=choice(8,16)"], queue, process=_marginal_is_faster)
+    storage = _storage(root, name)
+    study = optuna.load_study(study_name=name, storage=storage)
+    recipe, *levers = study.trials
+    assert len(levers) >= 2 and all(t.user_attrs["sweep.lever_of"] == 0 for t in levers)
+    settings = [tuple(sorted(t.params.items())) for t in study.trials]
+    assert len(set(settings)) == len(settings), settings
+    for t in levers:
+        assert t.params["lever"] == ", ".join(json.loads(t.user_attrs["sweep.lever"]))
+        assert t.params["lora.r"] == recipe.params["lora.r"]
+    assert "lever" not in recipe.params
+
+    (summary,) = [s for s in _dashboard(storage, "/api/studies")["study_summaries"] if s["study_name"] == name]
+    detail = _dashboard(storage, f"/api/studies/{summary['study_id']}")
+    shown = [tuple(sorted((p["name"], p["param_external_value"]) for p in t["params"])) for t in detail["trials"]]
+    assert len(set(shown)) == len(shown), shown
+    assert {p["name"] for p in detail["union_search_space"]} == {"lora.r", "lever"}
+    _dashboard(storage, f"/api/studies/{summary['study_id']}/param_importances")  # computes without error
+
+    sweep = report.load(name, root / "sweeps", tracking_uri=str(cfg.tracking.uri))
+    assert sweep.knobs == ["lora.r"]
+    assert all(sweep.row(t.number).lever and "lever" not in sweep.row(t.number).params for t in levers)

@@ -147,7 +147,9 @@ def test_a_recipe_that_does_not_fit_gets_its_memory_levers_measured(root: Path, 
     }
     assert len(trials) == 2 + 3, "levers run beyond n_trials"
     for overrides, t in levers.items():
-        assert t.params == recipe.params and t.user_attrs["sweep.lever_of"] == recipe.number
+        assert t.user_attrs["sweep.lever_of"] == recipe.number
+        # Optuna's params: the recipe's and the lever's own param, so outside tools see a setting of its own
+        assert t.params == {**recipe.params, "lever": ", ".join(overrides)}
         assert set(overrides) <= set(seen[t.number]), "the lever's overrides reach the trial"
     assert levers[("trainer.gradient_checkpointing=true",)].user_attrs["trial.status"] == "ok"
     assert levers[("model.upcast_non_quantized=false",)].user_attrs["failure.kind"] == "oom"

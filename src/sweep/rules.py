@@ -1,10 +1,13 @@
 """The launch rules: which proposals are not launched (a repeat of a measured setting, a certain OOM) and how a
 failure is told to Optuna so that the sampler steers away from the settings that cause it.
 
-How each trial is told, so that Optuna's own tools (`Study.best_trials`, `optuna best-trials`, optuna-dashboard)
-read it as the sweep does and the sampler learns what it can:
+How each trial is told, so that Optuna's own tools (`Study.best_trials`, `optuna best-trials`, optuna-dashboard's
+trial list; its "Best Trial" card ranks by value alone, see the README) read it as the sweep does and the sampler
+learns what it can:
 
-- measured (`trial.status=ok`): COMPLETE with its objectives and a feasible constraint record (`CONSTRAINTS_KEY`);
+- measured (`trial.status=ok`): COMPLETE with its objectives and its constraint record (`CONSTRAINTS_KEY`), feasible
+  when it left the headroom margin free (the report's stable), violated when it did not (the report's marginal), so
+  `best_trials` is the report's best stable;
 - a failure of the setting itself (OOM, refused data or config): infeasible, a violated constraint record, in the
   state the study's sampler learns from (`infeasible_state`): PRUNED without a value where it can (TPE ranks an
   infeasible trial by its violation, COMPLETE or PRUNED alike; random and grid learn from no value), so nothing
@@ -30,6 +33,7 @@ from optuna.trial import FrozenTrial, TrialState
 from src import record
 from src.failures import MEMORY, oom_needed_gib
 from src.knobs import MEMORY_DIRECTIONS
+from src.study import DEFAULT_MARGIN, headroom_of
 from src.sweep.recipe import lever_overrides
 
 # Failures that the setting itself causes, the same way every time: the sampler must steer away from them.
@@ -42,8 +46,10 @@ SETTING_FAILURES = (*MEMORY, "data_error", "config_error")
 # "constraints:<name>" keys, which the dashboard does not read. Checked against Optuna 5.1 and optuna-dashboard 0.21
 # (tests/test_optuna_native.py holds both names to this one).
 CONSTRAINTS_KEY = "constraints"
-# The record's entries, in order (also on the study, user attr `sweep.constraints`): the peak over the card's budget
-# (peak / budget - 1; for an OOM, what it held plus what it asked for), and whether the setting can run at all.
+# The record's entries, in order (also on the study, user attr `sweep.constraints`): the peak over what the setting
+# may use, the card's budget less the headroom margin (peak / budget - (1 - headroom_margin): > 0 for a setting the
+# report calls marginal, as for an OOM, where the peak is what it held plus what it asked for), and whether the
+# setting can run at all.
 CONSTRAINTS = ("vram_budget", "valid_setting")
 # Trials that tell what a setting does: measured (COMPLETE) or failed by the setting itself (PRUNED; a PRUNED skip
 # carries `trial.status=skipped` and is told apart by it). Studies of an older engine hold such failures COMPLETE.
@@ -193,9 +199,18 @@ class LaunchRules:
                 return True
         return False
 
+    @property
+    def margin(self) -> float:
+        """The headroom share a setting must leave to be stable (`hydra.sweeper.headroom_margin`)."""
+        return float(OmegaConf.select(self.config, "hydra.sweeper.headroom_margin", default=DEFAULT_MARGIN))
+
     def measured(self, metrics: dict[str, float]) -> list[float]:
-        """The constraint record of a trial that ran: its peak reserved memory over the budget."""
-        return constraint_record(vram_budget=metrics.get("peak_vram_reserved_gib", 0.0) / self.budget - 1.0)
+        """The constraint record of a trial that ran: its peak reserved memory over the budget less the headroom
+        margin (margin - headroom), so a setting the report calls marginal (headroom below the margin) is infeasible
+        to every outside tool too and `best_trials` picks among the report's stable ones. Nothing measured its peak
+        (no VRAM measurement): 0, nothing known."""
+        headroom = headroom_of(metrics, self.budget)
+        return constraint_record(vram_budget=self.margin - headroom if headroom is not None else 0.0)
 
     def worst(self, metrics: dict[str, Any], objectives: list[str], directions: list[str]) -> list[float]:
         """The values of an infeasible setting told COMPLETE: the worst of each objective, except memory it held
@@ -212,7 +227,8 @@ class LaunchRules:
         for, over the budget (at least a hair above 0: it did fail); for a refused setting, 1 on `valid_setting`."""
         if kind not in MEMORY:
             return constraint_record(valid_setting=1.0)
-        return constraint_record(vram_budget=max(oom_needed_gib(metrics, self.budget) / self.budget - 1.0, 0.01))
+        needed = oom_needed_gib(metrics, self.budget) / self.budget
+        return constraint_record(vram_budget=max(needed - (1.0 - self.margin), 0.01))
 
 
 def at_least(value: Any, reference: Any, direction: str | None) -> bool:

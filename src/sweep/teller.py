@@ -17,6 +17,7 @@ from typing import Any
 
 import optuna
 from omegaconf import DictConfig
+from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from src import record, tracking
@@ -63,6 +64,7 @@ class Teller:
 
     def tell(self, study: optuna.Study, trial: optuna.Trial, outcome: Outcome) -> None:
         """A launched trial's outcome."""
+        self.lever_param(trial)
         m = outcome.metrics
         for key, value in record.attrs_of(outcome).items():
             # What a failed process printed may quote a credential (a storage URL in a traceback): the study keeps
@@ -83,9 +85,12 @@ class Teller:
 
     def skip(self, study: optuna.Study, trial: optuna.Trial, run_id: str, decision: Skip) -> None:
         """Not launched; every skip goes through here (src/sweep/rules.py Skip: why, in words, and what tells the
-        setting). Nothing was measured: a violated record is told as an infeasible setting is (`tell_infeasible`),
-        anything else PRUNED without a value. Written on the trial first, so a worker that dies midway is redone
+        setting). Nothing was measured: a violated record of a setting that did not run (an OOM, a refused or
+        predicted one) is told as an infeasible setting is (`tell_infeasible`); anything else, a repeat of a measured
+        setting too (a marginal one keeps its violated record), PRUNED without a value: its original already tells
+        every sampler its value. Written on the trial first, so a worker that dies midway is redone
         alike."""
+        self.lever_param(trial)
         original, constraints, failure_kind = decision.original, decision.constraints, decision.failure_kind
         metrics: dict[str, Any] = {}
         if original is not None:
@@ -101,7 +106,8 @@ class Teller:
         tracking.set_tags(self.runs.client, run_id, tags)
         self.runs.mark_skipped(run_id, trial.number, trial.params, decision.why, because)
         self.runs.client.set_terminated(run_id, "FINISHED")
-        if infeasible(constraints):
+        measured = original is not None and record.status(original.user_attrs) == "ok"
+        if infeasible(constraints) and not measured:
             self.tell_infeasible(study, trial, constraints, metrics)
         else:
             tell(study, trial, state=TrialState.PRUNED)
@@ -143,6 +149,29 @@ class Teller:
             "trial %d had finished (%s) when its sweep worker died: told what its records say", trial.number, told
         )
         return True
+
+    def lever_param(self, trial: optuna.Trial) -> None:
+        """A lever trial's lever as an Optuna param (record.LEVER_PARAM), written before it is told: its params are
+        the recipe's, so without it every outside tool would read one setting with several outcomes. Categorical
+        over the recipe's levers (one distribution for every lever trial of the study, as Optuna requires); written
+        in the storage, not suggested, so no sampler draws it, and samplers that model the params every trial shares
+        leave it out."""
+        overrides = recipe.lever_overrides(trial)
+        if not overrides or record.LEVER_PARAM in trial.params:
+            return
+        params = {k: v for k, v in trial.params.items() if k != record.LEVER_PARAM}
+        choices = [record.lever_value(o) for o in recipe.levers(self.config, params)]
+        value = record.lever_value(overrides)
+        if value not in choices:  # a lever of an older config: still one setting of its own
+            choices.append(value)
+        distribution = CategoricalDistribution(choices)
+        trial_id = self.store.trial_id(trial.number)
+        try:
+            self.store.storage.set_trial_param(
+                trial_id, record.LEVER_PARAM, distribution.to_internal_repr(value), distribution
+            )
+        except ValueError as exc:  # the study's earlier lever trials have other choices (a changed config)
+            log.warning("trial %d: its lever is in user attr %s only (%s)", trial.number, record.LEVER, exc)
 
     def after_recipe(self, study: optuna.Study, trial: optuna.Trial) -> None:
         """The user's recipe told and not stable: measure the memory levers on it (src/sweep/recipe.py)."""
