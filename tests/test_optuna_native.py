@@ -221,6 +221,8 @@ def test_outside_tools_pick_the_reports_best_stable_not_a_faster_marginal(
     name = "native-marginal"
     queue = "hydra.sweeper.enqueue_trials=[{lora.r:8},{lora.r:16}]"
     space, sampled = ["lora.r=choice(8,16)"], f"hydra/sweeper/sampler={sampler}"
+    # Both settings, then repeats (skips) to tell: a finite space measured out would end the sweep first.
+    monkeypatch.setattr("src.sweep.engine.space_size", lambda distributions: None)
     cfg = _fake_sweep(monkeypatch, name, 4, space, queue, sampled, process=_marginal_is_faster)
     storage = _storage(root, name)
     study = optuna.load_study(study_name=name, storage=storage)
