@@ -80,6 +80,25 @@ def system_tags() -> dict[str, str]:
     return tags
 
 
+# How the sweep engine talks to a tracking server (`tracking.uri=http://...`): MLflow's own client retries a server
+# that does not answer for ~4 minutes (7 retries, backoff factor 2, 120 s timeout), during which the sweep can
+# neither stop nor say why. The engine fails fast instead and stops the sweep (src/sweep/stop.py). A value the user
+# set in the environment wins; trial processes started by the engine inherit these.
+FAIL_FAST = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+}
+
+
+def fail_fast() -> None:
+    """Bounded retries and timeouts for this process's MLflow HTTP calls (FAIL_FAST), unless the user set them."""
+    import os
+
+    for key, value in FAIL_FAST.items():
+        os.environ.setdefault(key, value)
+
+
 def setup(uri: str) -> None:
     """Point MLflow at `uri`; a sqlite store's folder is created first."""
     import mlflow

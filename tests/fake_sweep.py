@@ -6,7 +6,8 @@ itself and then run it again:
 Each stand-in trial records itself as a real one does (src/trial/single.py: its MLflow run's metrics and tags,
 result.json, then the run ended FINISHED). QLORA_FAKE_FAULT=<fault>@<trial number> strikes once that trial has
 recorded itself, before the engine tells Optuna: `sigkill` or `sigterm` the sweep process, or `disk_full`: every
-write to the Optuna storage fails from then on, as SQLite fails on a full disk. `sigterm@soak` strikes while a soak
+write to the Optuna storage fails from then on, as SQLite fails on a full disk; or `server_down`: the MLflow
+server whose process group is QLORA_FAKE_SERVER_PID is killed (the tracking server dying mid-sweep). `sigterm@soak` strikes while a soak
 runs, before it records anything: the stand-in then ends as a watched process ends when the sweep stops.
 """
 
@@ -55,7 +56,26 @@ def trial(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbea
             os.kill(os.getpid(), getattr(signal, fault.upper()))
         elif fault == "disk_full":
             _fill_the_disk()
+        elif fault == "server_down":
+            _kill_the_server(int(os.environ["QLORA_FAKE_SERVER_PID"]))
     return Outcome("ok", metrics=metrics)
+
+
+def _kill_the_server(pid: int) -> None:
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    import mlflow
+
+    os.killpg(pid, signal.SIGKILL)
+    where = urlparse(mlflow.get_tracking_uri())
+    for _ in range(200):  # gone once its port refuses
+        try:
+            socket.create_connection((where.hostname, where.port), timeout=1).close()
+        except OSError:
+            return
+        time.sleep(0.05)
 
 
 def _fill_the_disk() -> None:

@@ -136,6 +136,29 @@ def test_a_full_disk_stops_the_sweep_with_one_line_and_the_resume_keeps_what_was
     _assert_told_what_it_measured(root, "full", mlflow_client)
 
 
+def test_the_tracking_server_dying_stops_the_sweep_with_one_line_within_a_minute(root: Path, tmp_path: Path) -> None:
+    """The MLflow server killed once a trial ran (issue #30, 15): the engine's calls fail fast (bounded retries, not
+    MLflow's ~4 minutes of backoff), and the sweep stops as for a full disk: one line naming the store, exit 1,
+    how to resume; no page of traceback."""
+    from tests.services import start_mlflow_server
+
+    server = start_mlflow_server(tmp_path / "srv", f"sqlite:///{tmp_path}/srv.db", {})
+    try:
+        env = {FAULT_ENV: "server_down@1", "QLORA_FAKE_SERVER_PID": str(server.proc.pid)}
+        args = ["hydra.sweeper.study_name=down", "hydra.sweeper.n_trials=3", f"tracking.uri={server.url}"]
+        start = time.monotonic()
+        done = run_cli("tests.fake_sweep", *args, root=root, timeout=120, env=env)
+        took = time.monotonic() - start
+    finally:
+        server.stop()
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert took < 60, f"{took:.0f} s"
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    said = [text for text in done.stderr.splitlines() if "sweep stopped" in text]
+    assert len(said) == 1 and f"the MLflow store {server.url} cannot be reached" in said[0], done.stderr
+    assert said[0].endswith("run the same command again to resume"), said[0]
+
+
 # ---- item 6: Ctrl-C -----------------------------------------------------------------------------------------
 
 

@@ -62,7 +62,7 @@ from src.sweep.rules import (
 from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
 from src.sweep.space import SpaceError, outside_space, refuse_credentials, split_arguments
-from src.sweep.stop import RESUME, on_signals, stopping, store_trouble
+from src.sweep.stop import advice, on_signals, stopping, store_trouble
 from src.sweep.storage import StudyStore, worker_identity
 from src.sweep.tally import Tally
 from src.sweep.teller import Teller, tell
@@ -181,6 +181,7 @@ class SweepEngine:
         # Heartbeats are recorded by our own watch loop, not Study.optimize's thread: that is intended.
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
         stores.check(stores.of_sweep(self.config, self.study_dir))  # before any store is contacted or written
+        tracking.fail_fast()  # a tracking server that dies mid-sweep stops it in seconds, not minutes
         slots = discover_slots(self.sweeper)  # refuses impossible slot settings before anything is recorded
         start_launcher(self.sweeper, wait=False)  # the forkserver imports the stack while the checks below run
         self.facts = check_space(self.config, self.distributions)  # the data and each value, once: before anything
@@ -342,7 +343,7 @@ class SweepEngine:
             }
             why = store_trouble(exc, named)
             if why is not None:
-                stopping.request(redact_text(why), 1, advice=f"free space, then {RESUME}")
+                stopping.request(redact_text(why), 1, advice=advice(why))
                 return
             log.exception("the sweep worker on slot %s failed", slot.name)
             what = redact_text(first_line(f"{type(exc).__name__}: {exc}"))

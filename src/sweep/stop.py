@@ -1,5 +1,5 @@
 """How a sweep process stops before its trials are done: Ctrl-C, SIGTERM, or a store the engine cannot write (a
-full disk). One flag per process (`stopping`): once set, workers ask no new trial, every trial process this
+full disk) or reach (a tracking server that died). One flag per process (`stopping`): once set, workers ask no new trial, every trial process this
 sweep process watches is ended with its group and recorded as killed with the reason, the parent run is closed
 KILLED, and the terminal gets one line that says why and how to resume. Trials that finished meanwhile are told
 as they finished; any the stores could not take are told from their own records by the next run.
@@ -118,18 +118,52 @@ def on_signals() -> Iterator[None]:
 
 def store_trouble(exc: BaseException, stores: dict[str, str]) -> str | None:
     """Why to stop for an error the engine hit in its own stores, or None for any other error: a full disk
-    (SQLite's "database or disk is full", ENOSPC), naming the store written to. `stores`: the top-level package
-    of each store's client ("optuna", "mlflow") -> how to name the store; a file is named by its path."""
+    (SQLite's "database or disk is full", ENOSPC), naming the store written to, or a store's server that cannot be
+    reached (connection refused, no answer in time: an MLflow tracking server that died; its calls fail fast,
+    src/tracking.py FAIL_FAST). `stores`: the top-level package of each store's client ("optuna", "mlflow") -> how
+    to name the store; a file is named by its path."""
     chain = _chain(exc)
     full = next((e for e in chain if _is_full(e)), None)
     if full is None:
-        return None
+        gone = next((e for e in chain if _is_unreachable(e)), None)
+        if gone is None:
+            return None
+        where = next((stores[m] for m in _modules(chain) if m in stores), "a store of the sweep")
+        return f"sweep stopped: {where} cannot be reached ({_why_unreachable(gone)})"
     detail = os.strerror(full.errno) if isinstance(full, OSError) and full.errno else _FULL[0]
     if isinstance(full, OSError) and full.filename:
         where = str(full.filename)
     else:
         where = next((stores[m] for m in _modules(chain) if m in stores), "a store of the sweep")
     return f"sweep stopped: disk full: {where} cannot be written ({detail})"
+
+
+def advice(why: str) -> str:
+    """What to do before resuming, for a stop store_trouble explained."""
+    if "cannot be reached" in why:
+        return f"start it (or point tracking.uri elsewhere), then {RESUME}"
+    return f"free space, then {RESUME}"
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """A server that refused the connection or did not answer in time (requests' and urllib3's own errors)."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if names & {"ConnectionError", "Timeout", "MaxRetryError", "NewConnectionError", "ProtocolError"}:
+        return type(exc).__module__.split(".")[0] in ("requests", "urllib3", "builtins")
+    return False
+
+
+def _why_unreachable(exc: BaseException) -> str:
+    """A few words: "Connection refused", "Read timed out", ... (the system's reason where there is one)."""
+    import re
+
+    text = str(exc)
+    found = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if found:
+        return found.group(1).strip()
+    if "timed out" in text.lower() or "Timeout" in type(exc).__name__:
+        return "no answer in time"
+    return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
