@@ -128,6 +128,9 @@ def store_trouble(exc: BaseException, stores: dict[str, str]) -> str | None:
         gone = next((e for e in chain if _is_unreachable(e)), None)
         if gone is None:
             return None
+        # The calls still to come (closing the parent run, recording the killed trials) try once, briefly: a
+        # server that hangs would otherwise hold the stop for a full retry budget per call.
+        os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
         where = next((stores[m] for m in _modules(chain) if m in stores), "a store of the sweep")
         return f"sweep stopped: {where} cannot be reached ({_why_unreachable(gone)})"
     detail = os.strerror(full.errno) if isinstance(full, OSError) and full.errno else _FULL[0]
