@@ -256,16 +256,20 @@ def lock_key(study_name: str) -> int:
 
 
 def create_time(pid: int, since_boot: bool = False) -> float | None:
-    """When process `pid` started: seconds since the epoch, or (`since_boot`) since the machine booted. The epoch
-    figure is the kernel's boot time (whole seconds, re-derived from the wall clock on each read) plus the process's
-    start in clock ticks since boot, so two reads of one process may differ by a second; the since-boot figure is
-    the ticks alone and never moves."""
+    """When process `pid` started: seconds since the epoch, or (`since_boot`) its start in clock ticks since the
+    machine booted (Linux's /proc/<pid>/stat, field 22; None elsewhere). The epoch figure is the kernel's boot time
+    (whole seconds, re-derived from the wall clock on each read) plus that start, so two reads of one process may
+    differ by a second; the ticks never move."""
+    if since_boot:
+        try:
+            # fields after the command's closing parenthesis start at field 3: starttime (22) is the 20th of them
+            return float(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        except (OSError, IndexError, ValueError):
+            return None
     try:
         import psutil
 
-        return (
-            psutil.Process(pid).create_time(monotonic=since_boot) if since_boot else psutil.Process(pid).create_time()
-        )
+        return psutil.Process(pid).create_time()
     except Exception:
         return None
 
