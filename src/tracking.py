@@ -99,6 +99,14 @@ def fail_fast() -> None:
         os.environ.setdefault(key, value)
 
 
+def try_once() -> None:
+    """Once a tracking server is found unreachable: the calls still to come (closing the parent run, recording the
+    killed trials) try once, briefly; a server that hangs would otherwise hold the stop for a retry budget per call."""
+    import os
+
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+
+
 def setup(uri: str) -> None:
     """Point MLflow at `uri`; a sqlite store's folder is created first."""
     import mlflow

@@ -62,7 +62,7 @@ from src.sweep.rules import (
 from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
 from src.sweep.space import SpaceError, outside_space, refuse_credentials, split_arguments
-from src.sweep.stop import advice, on_signals, stopping, store_trouble
+from src.sweep.stop import on_signals, stopping, store_trouble
 from src.sweep.storage import StudyStore, worker_identity
 from src.sweep.tally import Tally
 from src.sweep.teller import Teller, tell
@@ -341,9 +341,11 @@ class SweepEngine:
                 "optuna": f"the Optuna storage {self.store.url}",
                 "mlflow": f"the MLflow store {self.config.tracking.uri}",
             }
-            why = store_trouble(exc, named)
-            if why is not None:
-                stopping.request(redact_text(why), 1, advice=advice(why))
+            trouble = store_trouble(exc, named)
+            if trouble is not None:
+                if trouble.unreachable:
+                    tracking.try_once()  # the stop's own MLflow calls must not wait on a dead server
+                stopping.request(redact_text(trouble.why), 1, advice=trouble.advice)
                 return
             log.exception("the sweep worker on slot %s failed", slot.name)
             what = redact_text(first_line(f"{type(exc).__name__}: {exc}"))

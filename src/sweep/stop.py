@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import NamedTuple
 
 from src.redact import redact_text
 
@@ -116,7 +117,15 @@ def on_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def store_trouble(exc: BaseException, stores: dict[str, str]) -> str | None:
+class Trouble(NamedTuple):
+    """Why a sweep stops for its own stores, and what to do before resuming."""
+
+    why: str
+    advice: str
+    unreachable: bool  # a server that cannot be reached (not a full disk)
+
+
+def store_trouble(exc: BaseException, stores: dict[str, str]) -> Trouble | None:
     """Why to stop for an error the engine hit in its own stores, or None for any other error: a full disk
     (SQLite's "database or disk is full", ENOSPC), naming the store written to, or a store's server that cannot be
     reached (connection refused, no answer in time: an MLflow tracking server that died; its calls fail fast,
@@ -128,24 +137,20 @@ def store_trouble(exc: BaseException, stores: dict[str, str]) -> str | None:
         gone = next((e for e in chain if _is_unreachable(e)), None)
         if gone is None:
             return None
-        # The calls still to come (closing the parent run, recording the killed trials) try once, briefly: a
-        # server that hangs would otherwise hold the stop for a full retry budget per call.
-        os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
         where = next((stores[m] for m in _modules(chain) if m in stores), "a store of the sweep")
-        return f"sweep stopped: {where} cannot be reached ({_why_unreachable(gone)})"
+        return Trouble(
+            f"sweep stopped: {where} cannot be reached ({_why_unreachable(gone)})",
+            f"start it (or point tracking.uri elsewhere), then {RESUME}",
+            unreachable=True,
+        )
     detail = os.strerror(full.errno) if isinstance(full, OSError) and full.errno else _FULL[0]
     if isinstance(full, OSError) and full.filename:
         where = str(full.filename)
     else:
         where = next((stores[m] for m in _modules(chain) if m in stores), "a store of the sweep")
-    return f"sweep stopped: disk full: {where} cannot be written ({detail})"
-
-
-def advice(why: str) -> str:
-    """What to do before resuming, for a stop store_trouble explained."""
-    if "cannot be reached" in why:
-        return f"start it (or point tracking.uri elsewhere), then {RESUME}"
-    return f"free space, then {RESUME}"
+    return Trouble(
+        f"sweep stopped: disk full: {where} cannot be written ({detail})", f"free space, then {RESUME}", False
+    )
 
 
 def _is_unreachable(exc: BaseException) -> bool:
