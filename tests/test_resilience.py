@@ -388,9 +388,9 @@ def test_a_live_worker_is_never_judged_dead_from_its_clocks_rounding(monkeypatch
             assert recorded["worker.started_since_boot"] is not None, "Linux gives every process its start in ticks"
             real = storage.create_time
 
-            def read_a_second_later(p, since_boot=False, real=real):
-                value = real(p, since_boot)
-                return value if since_boot or value is None else value + 1.0
+            def read_a_second_later(p, real=real):
+                value = real(p)
+                return None if value is None else value + 1.0
 
             monkeypatch.setattr(storage, "create_time", read_a_second_later)
             assert storage._alive(

@@ -32,9 +32,6 @@ from src.sweep.rules import CONSTRAINTS, CONSTRAINTS_KEY
 log = logging.getLogger(__name__)
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-# What a trial whose worker died is told (record.DEAD_WORKER): in its user attrs while it can take them, on its
-# MLflow run always.
-
 # Called with (study, trial) for each trial Optuna's stale-trial machinery failed, to close its MLflow run; returns
 # the run's id.
 OnDead = Callable[[optuna.Study, FrozenTrial], str | None]
@@ -255,17 +252,9 @@ def lock_key(study_name: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-def create_time(pid: int, since_boot: bool = False) -> float | None:
-    """When process `pid` started: seconds since the epoch, or (`since_boot`) its start in clock ticks since the
-    machine booted (Linux's /proc/<pid>/stat, field 22; None elsewhere). The epoch figure is the kernel's boot time
-    (whole seconds, re-derived from the wall clock on each read) plus that start, so two reads of one process may
-    differ by a second; the ticks never move."""
-    if since_boot:
-        try:
-            # fields after the command's closing parenthesis start at field 3: starttime (22) is the 20th of them
-            return float(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        except (OSError, IndexError, ValueError):
-            return None
+def create_time(pid: int) -> float | None:
+    """When process `pid` started, in seconds since the epoch: the kernel's boot time (whole seconds, re-derived from
+    the wall clock on each read) plus `start_ticks`, so two reads of one process may differ by a second."""
     try:
         import psutil
 
@@ -274,12 +263,22 @@ def create_time(pid: int, since_boot: bool = False) -> float | None:
         return None
 
 
+def start_ticks(pid: int) -> float | None:
+    """When process `pid` started, in clock ticks since the machine booted (Linux's /proc/<pid>/stat, field 22; None
+    elsewhere): a figure that never moves."""
+    try:
+        # fields after the command's closing parenthesis start at field 3: starttime (22) is the 20th of them
+        return float(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def worker_identity(pid: int) -> dict[str, Any]:
     """What a worker records on the trials it runs, so that a worker on the same host can tell whether it lives."""
     return {
         WORKER_PID: pid,
         record.WORKER_STARTED: create_time(pid),
-        record.WORKER_STARTED_SINCE_BOOT: create_time(pid, since_boot=True),
+        record.WORKER_STARTED_SINCE_BOOT: start_ticks(pid),
     }
 
 
@@ -305,7 +304,7 @@ def _alive(pid: int | None, started: float | None, since_boot: float | None = No
     if pid is None:
         return False
     if since_boot is not None:
-        ticks = create_time(int(pid), since_boot=True)
+        ticks = start_ticks(int(pid))
         if ticks is not None:
             return abs(ticks - float(since_boot)) < 0.05
     if int(pid) == os.getpid():
