@@ -131,6 +131,9 @@ class HardwareConfig:
     parallelism: str = MISSING
     # data_parallel: processes (ranks) per trial; null = the trial's GPUs (2 on a CPU, over gloo).
     processes: int | None = MISSING
+    # PyTorch's caching allocator grows segments in place instead of caching fixed blocks
+    # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set by the trial before CUDA starts): less fragmentation.
+    expandable_segments: bool = MISSING
 
 
 @dataclass

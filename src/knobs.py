@@ -19,13 +19,16 @@ class Knob:
     # The value that saves memory on a recipe that does not fit (a "lever" the sweep tries on the user's recipe);
     # None: not a lever. "half" halves a number (a batch).
     lever: Any = None
+    # What the data says of a value, recorded on every trial before it runs (src/sweep/checks.py SpaceFacts):
+    # "truncation" (the shares of rows and answers a max_seq_length cuts); None: nothing.
+    fact: str | None = None
 
 
 MEMORY_DIRECTIONS = ("increasing", "decreasing", "neutral")
 
 # In report order; the first four are the seed's (the default search space).
 KNOBS: tuple[Knob, ...] = (
-    Knob("data.max_seq_length", "seq", "increasing"),
+    Knob("data.max_seq_length", "seq", "increasing", fact="truncation"),
     Knob("trainer.gradient_accumulation_steps", "grad_acc", "neutral"),  # each micro-step is the same size
     Knob("lora.r", "r", "increasing"),
     # only orders batches: a probe holds the longest rows either way, padded (or packed) to the same shape
@@ -41,6 +44,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("lora.lora_dropout", "dropout"),
     Knob("model.upcast_non_quantized", "fp32_rest", lever=False),  # bf16 embeddings, norms and lm_head
     Knob("model.sdpa_backends", "sdpa"),
+    # true needs no more than false: segments grown in place leave fewer cached blocks unusable (fragmentation)
+    Knob("hardware.expandable_segments", "expandable", "decreasing", lever=True),
     Knob("fault.kind", "fault"),
 )
 BY_KEY: dict[str, Knob] = {k.key: k for k in KNOBS}
@@ -66,6 +71,11 @@ def label(key: str) -> str:
     """A knob's short column name; an unregistered key shows its last segment."""
     knob = BY_KEY.get(key)
     return knob.label if knob else key.rsplit(".", 1)[-1]
+
+
+def with_facts() -> list[Knob]:
+    """The knobs whose values the data says something of (Knob.fact)."""
+    return [k for k in KNOBS if k.fact is not None]
 
 
 def levers() -> list[Knob]:

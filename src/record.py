@@ -47,6 +47,12 @@ LEVER_OF = "sweep.lever_of"  # a lever trial: the recipe trial's number
 # ", ", so Optuna's tools and the dashboard see a lever trial's setting apart from the recipe's. The report, the
 # soak and promotion read the lever from LEVER and leave this param out of a trial's knobs.
 LEVER_PARAM = "lever"
+# A recommendation trial (src/sweep/journey.py): a lever trial (LEVER, LEVER_OF) the sweep chose with the memory
+# model, combining levers with the length the data needs; True on it. Its Optuna param (as LEVER_PARAM, over the
+# study's queued recommendations) is RECOMMEND_PARAM; the study keeps what was chosen and why in RECOMMENDATION.
+RECOMMENDED = "sweep.recommended"
+RECOMMEND_PARAM = "recommendation"
+RECOMMENDATION = "sweep.recommendation"  # study user attr: {"why", "queued": [[overrides]], "closest", "note"}
 ROLE = "sweep.role"  # parent | soak
 RUN_KIND = "run.kind"  # sweep (the parent) | trial | skipped | soak
 OPTUNA_STUDY = "optuna.study"

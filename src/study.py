@@ -1,10 +1,9 @@
 """A study as the report and the promotion read it, from the Optuna storage and the MLflow tracking URI alone:
-find it, read the sweep's settings, classify every trial.
+read the sweep's settings, classify every trial (finding it: src/places.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -12,15 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import yaml
 from omegaconf import OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from src import knobs, record
 from src.config import compose
+from src.places import DEFAULT_MARGIN, find_study, store_exists
 from src.record import STALE_KIND, STALE_MESSAGE, failure_kind, retried_numbers
 
-DEFAULT_MARGIN = 0.10
 CLASSES = ("stable", "marginal", "failed", "skipped", "pruned", "running")
 # What the engine records on the sweep's parent run as `sweep.<key>` tags (JSON values).
 _SETTINGS = ("objectives", "headroom_margin", "trial_overrides")
@@ -29,83 +29,7 @@ _SETTINGS = ("objectives", "headroom_margin", "trial_overrides")
 _POLICY = "max_truncated_answer_frac"
 
 
-class StudyNotFound(LookupError):
-    """The study asked for is not in the storage; the message lists those that are."""
-
-
 __all__ = ["STALE_KIND", "STALE_MESSAGE", "failure_kind", "retried_numbers"]  # from src/record.py, read here too
-
-
-# ---- where things are ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Places:
-    sweeps_dir: Path
-    tracking_uri: str
-    registered_model: str
-
-
-def places(tracking_uri: str | None = None) -> Places:
-    """Where the trials put sweeps/ and mlruns/, as `python -m src.train` composes it (QLORA_ROOT honoured)."""
-    cfg = compose()
-    return Places(
-        sweeps_dir=Path(cfg.paths.sweeps_dir),
-        tracking_uri=tracking_uri or str(cfg.tracking.uri),
-        registered_model=str(cfg.tracking.registered_model),
-    )
-
-
-def study_storage(sweeps_dir: Path, name: str) -> str:
-    """A study's default storage (`hydra.sweeper.storage: null`): sweeps/<study>/optuna.db."""
-    return f"sqlite:///{(sweeps_dir / name / 'optuna.db').resolve()}"
-
-
-def find_study(name: str | None, sweeps_dir: Path, storage: str | None = None) -> tuple[str, str]:
-    """(study name, storage URL): the named study, or the latest one; StudyNotFound lists what exists."""
-    if storage:
-        summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
-        names = [s.study_name for s in summaries]
-        if name is None:
-            if not summaries:
-                raise StudyNotFound(f"no study in {storage}")
-            latest = max(summaries, key=lambda s: (s.datetime_start is not None, s.datetime_start or 0))
-            return latest.study_name, storage
-        if name not in names:
-            raise StudyNotFound(f"no study '{name}' in {storage}; studies there: {', '.join(sorted(names)) or 'none'}")
-        return name, storage
-    dbs = sorted(sweeps_dir.glob("*/optuna.db"), key=lambda p: p.stat().st_mtime)
-    if name is None:
-        if not dbs:
-            raise StudyNotFound(
-                f"no study under {sweeps_dir} (run a sweep first: python -m src.train -m hydra/sweeper=optuna)"
-            )
-        return dbs[-1].parent.name, study_storage(sweeps_dir, dbs[-1].parent.name)
-    if not (sweeps_dir / name / "optuna.db").exists():
-        found = ", ".join(p.parent.name for p in reversed(dbs)) or "none"
-        raise StudyNotFound(f"no study '{name}' under {sweeps_dir}; studies there (latest first): {found}")
-    return name, study_storage(sweeps_dir, name)
-
-
-def store_exists(tracking_uri: str) -> bool:
-    """False for a SQLite store not made yet: opening it would create it."""
-    return not tracking_uri.startswith("sqlite:///") or Path(tracking_uri.removeprefix("sqlite:///")).exists()
-
-
-def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The arguments `python -m src.report` and `python -m src.promote` share: which study, where, what margin."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("study", nargs="?", help="study name (a folder of sweeps/); default: the latest")
-    p.add_argument(
-        "--margin",
-        type=float,
-        default=None,
-        help="headroom share below which a setting is marginal "
-        f"(default: the sweep's hydra.sweeper.headroom_margin, else {DEFAULT_MARGIN})",
-    )
-    p.add_argument("--storage", help="Optuna storage URL when not sweeps/<study>/optuna.db (e.g. postgresql://...)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking.uri of the project's config)")
-    return p
 
 
 # ---- the trials, classified ------------------------------------------------------------------------------------
@@ -128,6 +52,7 @@ class TrialRow:
     # A lever trial: the recipe's params plus these overrides ("trainer.gradient_checkpointing=true"); it shares
     # its params with the recipe, so whatever groups trials by params leaves it out (see Sweep.plain_rows)
     lever: list[str] = field(default_factory=list)
+    recommended: bool = False  # a recommendation trial (src/sweep/journey.py): levers combined with a length
 
     def change(self) -> str:
         """A lever's overrides as the report's "change" column shows them: "gradient_checkpointing=true"."""
@@ -210,6 +135,9 @@ class Sweep:
     max_truncated_answer_frac: float | None = None
     # The soak of the finalists (src/sweep/soak.py): trial number -> what its long run measured and its verdict
     soaks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # What the sweep searched for when the recipe was not stable within the policies (src/sweep/journey.py):
+    # {"why", "queued": [[overrides]], "closest": {...} or None, "note"}; None when it did not search
+    recommendation: dict[str, Any] | None = None
 
     def trial_dir(self, number: int) -> Path:
         return self.study_dir / "trials" / f"{number:03d}"
@@ -275,6 +203,21 @@ class Sweep:
         if origin is not None and origin.verdict != "skipped":
             return origin.verdict
         return "failed" if row.failure_kind else "skipped"
+
+    def recipe_row(self) -> TrialRow | None:
+        """The user's recipe: the trial the sweep marked as it (`sweep.recipe`); None when the sweep had none."""
+        return next((r for r in self.rows if r.recipe), None)
+
+    def good(self, row: TrialRow) -> bool:
+        """Needs no change: stable, and cuts no more answers than the policy allows."""
+        return row.verdict == "stable" and not self.cuts_too_much(row)
+
+    def recommended(self) -> TrialRow | None:
+        """The setting to train: the best ranked trial that passed its soak, else the best ranked (not soaked yet);
+        what `python -m src.promote` takes without flags (src/promote/choosing.py)."""
+        ranked = self.ranked()
+        soaked = [r for r in ranked if self.soaks.get(r.number, {}).get("status") == "passed"]
+        return (soaked or ranked or [None])[0]
 
     def best(self) -> TrialRow | None:
         """The best stable trial by the first objective (ties: the earlier trial), among those that cut no more
@@ -361,7 +304,12 @@ def load(
         probe_overrides=[str(o) for o in settings.get("trial_overrides") or []],
         max_truncated_answer_frac=None if settings.get(_POLICY) is None else float(settings[_POLICY]),
         soaks={int(k.split(".", 1)[1]): v for k, v in study.user_attrs.items() if record.is_soak_key(k, v)},
+        recommendation=study.user_attrs.get(record.RECOMMENDATION),
     )
+
+
+# Optuna params that are not knobs: a lever or recommendation trial's change (read from LEVER instead)
+_NOT_KNOBS = (record.LEVER_PARAM, record.RECOMMEND_PARAM)
 
 
 def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
@@ -370,11 +318,12 @@ def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
     origin = record.origin(a)
     kind = failure_kind(t)
     stale = kind == STALE_KIND and record.recorded_kind(a) is None
+    params, lever = effective({k: v for k, v in t.params.items() if k not in _NOT_KNOBS}, _lever(a.get(record.LEVER)))
     return TrialRow(
         number=t.number,
         # A lever trial's lever param is its lever (below), not a knob
-        params={k: v for k, v in t.params.items() if k != record.LEVER_PARAM},
-        distributions={k: v for k, v in t.distributions.items() if k != record.LEVER_PARAM},
+        params=params,
+        distributions={k: v for k, v in t.distributions.items() if k not in _NOT_KNOBS},
         verdict=verdict,
         detail=detail,
         metrics={k: float(v) for k, v in a.items() if _is_metric(k, v)},
@@ -384,8 +333,25 @@ def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
         because_of=origin,
         slot=a.get(record.SLOT),
         recipe=str(a.get(record.RECIPE, "")).lower() == "true",
-        lever=_lever(a.get(record.LEVER)),
+        lever=lever,
+        recommended=bool(a.get(record.RECOMMENDED)),
     )
+
+
+def effective(params: dict[str, Any], lever: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """A trial's setting as it ran: a lever override of a knob among its params (a recommendation's length outside
+    the space) replaces the param's value; the other overrides stay its lever."""
+    params, rest = dict(params), []
+    for override in lever:
+        key, _, text = override.partition("=")
+        if key.lstrip("+~") in params:
+            try:
+                params[key.lstrip("+~")] = yaml.safe_load(text)
+            except yaml.YAMLError:
+                params[key.lstrip("+~")] = text
+        else:
+            rest.append(override)
+    return params, rest
 
 
 def _lever(value: Any) -> list[str]:

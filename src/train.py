@@ -30,6 +30,7 @@ def main(cfg: DictConfig) -> dict:
     from src import trial
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    allocator_settings(cfg)
     if cfg.hardware.parallelism == "data_parallel":
         if "LOCAL_RANK" in os.environ:  # a rank started by torch.distributed.run
             trial.run_rank(cfg, out_dir)  # exits with 0 (ok) or 1
@@ -45,6 +46,16 @@ def main(cfg: DictConfig) -> dict:
     print(f"trial failed ({failure['kind']} at step {failure['step']}): {failure['message']}", file=sys.stderr)
     print(_where(cfg, out_dir, result["run_id"]), file=sys.stderr)
     sys.exit(1)
+
+
+def allocator_settings(cfg: DictConfig) -> None:
+    """hardware.expandable_segments=true: the caching allocator's expandable segments, set before CUDA starts (the
+    allocator reads PYTORCH_CUDA_ALLOC_CONF once, at its first allocation); the user's own settings are kept."""
+    if not cfg.hardware.get("expandable_segments"):
+        return
+    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" not in current:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [current, "expandable_segments:True"]))
 
 
 def _memory(m: dict) -> str:

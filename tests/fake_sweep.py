@@ -92,7 +92,7 @@ def _fill_the_disk() -> None:
 
 def main(overrides: list[str]) -> None:
     from src.config import compose
-    from src.sweep import engine, launch
+    from src.sweep import engine, launch, prepare
 
     cfg = compose(
         [
@@ -109,7 +109,7 @@ def main(overrides: list[str]) -> None:
         hydra_config=True,
     )
     launch.run_process = trial
-    engine.SweepEngine.prepare = lambda self, slot: None
+    prepare.build_model = lambda *a: None  # stand-in trials: no model to build
     engine.SweepEngine(cfg, ["lora.r=choice(4,8,16)"]).run()
 
 

@@ -136,7 +136,16 @@ def test_an_oom_recipe_is_answered_with_its_smallest_measured_fixes(oom_sweep: r
     # the fastest within the policy is the bf16 lever; a faster setting that cuts answers is named, not chosen
     assert said[5].startswith("The fastest stable setting measured is trial 6 (") and "upcast_non_quantized" in said[5]
     assert said[6].startswith("Trial 10 (") and "faster at 1,600 tokens/s, but it cuts 4% of answers" in said[6]
-    assert len(said) == 7
+    # and ends with one recommendation: the setting, its figures against the recipe, its soak, the command
+    assert said[7].startswith(
+        "Recommended: trial 6 (recipe + upcast_non_quantized=false): 20.60 GiB peak reserved of the 24 GiB budget, "
+        "1,426 tokens/s (your recipe: failed, oom at step 1); not soaked yet"
+    )
+    assert said[7].endswith(
+        "it keeps 100.0% of answers whole. Train it: `python -m src.promote recipe --allow-unsoaked`, then "
+        "`python -m src.train experiment=production`."
+    )
+    assert len(said) == 8
 
 
 def test_a_setting_that_cuts_too_many_answers_is_shown_but_never_promoted(oom_sweep: report.Sweep) -> None:
@@ -211,7 +220,7 @@ def test_when_nothing_measured_fixes_the_recipe_it_says_what_was_tried(tmp_path:
         "Nothing measured makes your recipe stable; tried: trial 1 (gradient_accumulation_steps 4 instead of 2: "
         "failed, oom at step 1); trial 2 (your recipe with attn_implementation=sdpa: failed, oom at step 1)."
     )
-    assert said[2] == "No stable setting within the truncation policy was measured: nothing to promote."
+    assert said[2] == "No setting to recommend: no measured setting ran within the budget."
 
 
 def test_the_policy_comes_from_the_sweep_and_the_advice_reaches_its_parent_run(

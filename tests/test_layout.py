@@ -47,7 +47,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("the model, its measurement and its checks", ("src.models", "src.measure", "src.preflight")),
     ("the memory model's fit", ("src.fit",)),
     ("one trial", ("src.trial",)),
-    ("a study as it is read", ("src.study",)),
+    ("a study as it is read", ("src.places", "src.study")),
     ("the sweep", ("src.sweep",)),
     ("the report", ("src.report",)),
     ("promotion", ("src.promote",)),

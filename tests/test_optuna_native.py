@@ -187,7 +187,7 @@ def test_optunas_tools_read_a_sweep_as_it_ran(
     name = f"native-{sampler}"
     sampled = f"hydra/sweeper/sampler={sampler}"
     # The space's 4 settings, then repeats (skips) to tell: a finite space measured out would end the sweep first.
-    monkeypatch.setattr("src.sweep.engine.space_size", lambda distributions: None)
+    monkeypatch.setattr("src.sweep.gate.space_size", lambda distributions: None)
     cfg = _fake_sweep(monkeypatch, name, 7, SPACE, QUEUE, sampled, process=_fake_trial)
     trials = assert_native(root, name, ["tokens_per_s"], state)
     reasons = {t.user_attrs.get("skip.reason") for t in trials if t.user_attrs["trial.status"] == "skipped"}
@@ -222,7 +222,7 @@ def test_outside_tools_pick_the_reports_best_stable_not_a_faster_marginal(
     queue = "hydra.sweeper.enqueue_trials=[{lora.r:8},{lora.r:16}]"
     space, sampled = ["lora.r=choice(8,16)"], f"hydra/sweeper/sampler={sampler}"
     # Both settings, then repeats (skips) to tell: a finite space measured out would end the sweep first.
-    monkeypatch.setattr("src.sweep.engine.space_size", lambda distributions: None)
+    monkeypatch.setattr("src.sweep.gate.space_size", lambda distributions: None)
     cfg = _fake_sweep(monkeypatch, name, 4, space, queue, sampled, process=_marginal_is_faster)
     storage = _storage(root, name)
     study = optuna.load_study(study_name=name, storage=storage)

@@ -95,7 +95,7 @@ def _fake_sweep(monkeypatch: pytest.MonkeyPatch, study: str, process, space: lis
     from src.sweep.engine import SweepEngine
 
     monkeypatch.setattr("src.sweep.launch.run_process", process)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    monkeypatch.setattr("src.sweep.prepare.build_model", lambda *a: None)
     cfg = compose_cfg(
         ["hydra/sweeper=optuna", f"hydra.sweeper.study_name={study}", "hydra.sweeper.cpu_slots=1"]
         + ["hydra.sweeper.progress=false", "hydra.sweeper.preload=false", "trainer.output_dir=/tmp/unused", *overrides]
@@ -106,7 +106,7 @@ def _fake_sweep(monkeypatch: pytest.MonkeyPatch, study: str, process, space: lis
 
 def test_a_recipe_that_does_not_fit_gets_its_memory_levers_measured(root: Path, monkeypatch) -> None:
     """The recipe (the first queued setting) OOMs; the sweep then runs it once per memory lever of src/knobs.py
-    (checkpointing, SDPA, bf16 non-quantized weights), beyond n_trials, each recorded with its overrides."""
+    (checkpointing, SDPA, bf16 non-quantized weights, the allocator's expandable segments), beyond n_trials, each recorded with its overrides."""
     import json
 
     import optuna
@@ -134,6 +134,7 @@ def test_a_recipe_that_does_not_fit_gets_its_memory_levers_measured(root: Path, 
         ["data.max_seq_length=choice(256,512)"],
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.enqueue_trials=[{data.max_seq_length:512}]",
+        "hydra.sweeper.recommend_trials=0",  # the levers alone (the search: tests/test_journey.py)
     )
     study = optuna.load_study(study_name="levers", storage=f"sqlite:///{root}/sweeps/levers/optuna.db")
     trials = study.get_trials()
@@ -144,8 +145,9 @@ def test_a_recipe_that_does_not_fit_gets_its_memory_levers_measured(root: Path, 
         ("trainer.gradient_checkpointing=true",),
         ("model.attn_implementation='sdpa'",),
         ("model.upcast_non_quantized=false",),
+        ("hardware.expandable_segments=true",),
     }
-    assert len(trials) == 2 + 3, "levers run beyond n_trials"
+    assert len(trials) == 2 + 4, "levers run beyond n_trials"
     for overrides, t in levers.items():
         assert t.user_attrs["sweep.lever_of"] == recipe.number
         # Optuna's params: the recipe's and the lever's own param, so outside tools see a setting of its own
@@ -180,6 +182,7 @@ def test_a_sweep_measures_what_each_length_cuts_instead_of_refusing_it(root: Pat
         ["data.max_seq_length=choice(32,2048)"],
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.enqueue_trials=[{data.max_seq_length:32},{data.max_seq_length:2048}]",
+        "hydra.sweeper.recommend_trials=0",  # what each length cuts, alone (the search: tests/test_journey.py)
     )
     assert all("preflight.max_truncated_answer_frac=1.0" in o for o in seen)
     trials = optuna.load_study(study_name="cut", storage=f"sqlite:///{root}/sweeps/cut/optuna.db").get_trials()

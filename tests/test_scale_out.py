@@ -547,7 +547,7 @@ def test_scale_out_figures(
         return Outcome("ok", metrics={"tokens_per_s": 1.0, "peak_vram_reserved_gib": 1.0})
 
     monkeypatch.setattr("src.sweep.launch.run_process", recording_only)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    monkeypatch.setattr("src.sweep.prepare.build_model", lambda *a: None)
 
     def engine(study: str, n: int, *extra: str) -> SweepEngine:
         cfg = compose_cfg(

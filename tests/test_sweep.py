@@ -227,7 +227,7 @@ def _fake_sweep(
     """The engine, in this process, with `process` standing in for each trial's process (no model is built):
     one CPU slot, no progress bar, nothing queued unless `queue_seed`. Returns the composed config."""
     monkeypatch.setattr("src.sweep.launch.run_process", process)
-    monkeypatch.setattr(SweepEngine, "prepare", lambda self, slot: None)
+    monkeypatch.setattr("src.sweep.prepare.build_model", lambda *a: None)
     cfg = compose_cfg(
         [
             "hydra/sweeper=optuna",

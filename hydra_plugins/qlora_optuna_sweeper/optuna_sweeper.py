@@ -59,6 +59,7 @@ class OptunaSweeperConf:
     memory_model: str = MISSING
     soak_top_k: int = MISSING
     soak_minutes: float = MISSING
+    recommend_trials: int = MISSING
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="optuna_schema", node=OptunaSweeperConf, provider="qlora")

@@ -14,10 +14,11 @@ from filelock import FileLock, Timeout
 
 from src import redact, stores, tracking
 from src.config import study_name_problem
+from src.places import StudyNotFound, cli_parser, places
 from src.promote.choosing import ALLOW_UNSOAKED, NotPromotable, choose
 from src.promote.experiment import DEFAULT_EXPERIMENT_FILE, header, plan, trial_config
 from src.promote.registry import ALIAS, register, registry_state
-from src.study import StudyNotFound, Sweep, TrialRow, cli_parser, load, places
+from src.study import Sweep, TrialRow, load
 
 PROMOTE_LOCK_TIMEOUT_S = 300
 

@@ -14,10 +14,11 @@ from omegaconf import OmegaConf
 
 from src import redact
 from src.config import PROJECT_DIR, compose, flatten
+from src.places import store_exists
 from src.promote.choosing import NotPromotable
 from src.promote.registry import ALIAS
 from src.report import fmt
-from src.study import Sweep, TrialRow, store_exists
+from src.study import Sweep, TrialRow
 
 DEFAULT_EXPERIMENT_FILE = PROJECT_DIR / "conf" / "experiment" / "production.yaml"
 # Groups and key prefixes that say where a run records or how a sweep tests, not what is trained: never

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from src import tracking
+from src.places import store_exists
 from src.report import fmt
-from src.study import Sweep, TrialRow, store_exists
+from src.study import Sweep, TrialRow
 
 ALIAS = "production"
 DESCRIPTION = "QLoRA fine-tunes promoted from stability sweeps"  # the registered model's, when this creates it

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from src.knobs import label
+from src.places import StudyNotFound, places
 from src.redact import redact_text
 from src.report.advice import what_to_change
 from src.report.importance import Importance, importance
@@ -27,7 +28,7 @@ from src.report.page import html_page
 from src.report.plots import COLOURS, map_axes, plot_map, plot_memory, plot_throughput
 from src.report.publish import log_to_mlflow
 from src.report.text import fmt, markdown, summary, table
-from src.study import DEFAULT_MARGIN, StudyNotFound, Sweep, TrialRow, load, places
+from src.study import DEFAULT_MARGIN, Sweep, TrialRow, load
 
 __all__ = [
     "COLOURS",

@@ -6,9 +6,9 @@ import sys
 
 from src import redact, stores
 from src.config import study_name_problem
+from src.places import StudyNotFound, cli_parser
 from src.report import load, log_to_mlflow, places, table, write
 from src.report.text import promote_command
-from src.study import StudyNotFound, cli_parser
 
 # What to install for a package the report imports when it draws (pyproject.toml's pins)
 INSTALL = {"plotly": "pip install 'plotly>=6,<8'", "matplotlib": "pip install 'matplotlib>=3.8'"}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from src.failures import MEMORY
+from src.report.recommendation import recommendation
 from src.report.text import fmt, share
 from src.study import Sweep, TrialRow, short_override
 
@@ -63,26 +64,30 @@ class Change:
 
 
 def what_to_change(sweep: Sweep) -> list[str]:
-    """The user's question answered in sentences, each naming its trial (see the module's docstring)."""
-    recipe = recipe_row(sweep)
-    if recipe is None:
+    """The user's question answered in sentences, each naming its trial (see the module's docstring), ending with
+    one recommendation and the command that trains it (src/report/recommendation.py)."""
+    if not sweep.rows:
         return ["No trials yet: nothing measured, nothing to advise."]
-    out = [_recipe_sentence(sweep, recipe)]
-    if not _good(sweep, recipe):
-        fixes = _fixes(sweep, recipe)
-        out += [_fix_sentence(sweep, recipe, f, fixes) for f in fixes] or [_nothing_worked(sweep, recipe)]
+    recipe = recipe_row(sweep)
+    out = []
+    if recipe is not None:
+        out.append(_recipe_sentence(sweep, recipe))
+        if not _good(sweep, recipe):
+            fixes = _fixes(sweep, recipe)
+            out += [_fix_sentence(sweep, recipe, f, fixes) for f in fixes] or [_nothing_worked(sweep, recipe)]
     out += _fastest(sweep, recipe)
     if sweep.card_shared_by() > 1:
         out.append(
             f"Trials shared a card (up to {sweep.card_shared_by()} at once), so these speeds rank the settings; "
             "run the ones you care about alone before quoting them."
         )
-    return out
+    return [*out, recommendation(sweep, recipe)]
 
 
 def recipe_row(sweep: Sweep) -> TrialRow | None:
-    """The user's recipe: the trial the sweep marked as it, else trial 0 (the first enqueued)."""
-    return next((r for r in sweep.rows if r.recipe), None) or sweep.row(0) or (sweep.rows[0] if sweep.rows else None)
+    """The user's recipe: the trial the sweep marked as it (the first of `enqueue_trials`); None when the sweep
+    queued none (`hydra.sweeper.enqueue_trials=[]`): no trial is then called "your recipe"."""
+    return sweep.recipe_row()
 
 
 # ---- the recipe ---------------------------------------------------------------------------------------------------
@@ -208,16 +213,19 @@ def _nothing_worked(sweep: Sweep, recipe: TrialRow) -> str:
 # ---- the fastest ----------------------------------------------------------------------------------------------------
 
 
-def _fastest(sweep: Sweep, recipe: TrialRow) -> list[str]:
+def _fastest(sweep: Sweep, recipe: TrialRow | None) -> list[str]:
     """The fastest stable setting within the truncation policy, and a faster one that cuts too much, if any."""
     stable = [r for r in sweep.rows if r.verdict == "stable" and _speed(r) > 0]
     allowed = [r for r in stable if not sweep.cuts_too_much(r)]
     out = []
-    if not allowed:
-        out.append("No stable setting within the truncation policy was measured: nothing to promote.")
-    else:
+    if allowed:
         best = max(allowed, key=lambda r: (_speed(r), -r.number))
-        if best.number == recipe.number:
+        if recipe is None:
+            out.append(
+                f"The fastest stable setting measured is trial {best.number} ({_setting(sweep, best)}): "
+                f"{_figures(sweep, best)}{_cut(sweep, best)}."
+            )
+        elif best.number == recipe.number:
             out.append(f"Your recipe (trial {best.number}) is also the fastest stable setting measured.")
         else:
             change = _change(recipe, best)

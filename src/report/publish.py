@@ -62,7 +62,7 @@ def log_to_mlflow(report: Report, tracking_uri: str) -> str | None:
     base = _base_params(client, sweep)  # for the skipped runs, which launched nothing
     for row in sweep.rows:
         if row.run_id and row.run_id != sweep.parent_run_id:
-            tracking.set_tags(client, row.run_id, _trial_tags(row))
+            tracking.set_tags(client, row.run_id, _trial_tags(row, sweep.recipe_row()))
             if row.verdict == "skipped" and base and not client.get_run(row.run_id).data.params:
                 tracking.log_params(client, row.run_id, _would_have_run(sweep, base, row))
     experiment = client.get_run(sweep.parent_run_id).info.experiment_id
@@ -73,13 +73,14 @@ def log_to_mlflow(report: Report, tracking_uri: str) -> str | None:
     return sweep.parent_run_id
 
 
-def _trial_tags(row: TrialRow) -> dict[str, Any]:
+def _trial_tags(row: TrialRow, recipe: TrialRow | None) -> dict[str, Any]:
     """A trial's class, and its name and kind as the report knows them (outcome: the class, or a failure's kind)."""
     tags: dict[str, Any] = {record.REPORT_CLASS: row.verdict, record.REPORT_DETAIL: row.detail}
     if row.verdict == "skipped":
         return {**tags, **runs.skipped_tags(row.number, row.params, _skip_reason(row.detail), row.because_of)}
     outcome = (row.failure_kind or "failed") if row.verdict == "failed" else row.verdict
-    name = runs.trial_name(row.number, row.params, row.lever, outcome)
+    of_recipe = recipe.params if recipe is not None and row.lever and row.number != recipe.number else None
+    name = runs.trial_name(row.number, row.params, row.lever, outcome, recipe=of_recipe)
     return {**tags, "mlflow.runName": name, runs.KIND: "trial"}
 
 

@@ -15,6 +15,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
+from src import knobs
 from src.failures import ConfigError, DataError
 from src.sweep.space import SpaceError
 
@@ -31,6 +32,26 @@ class SpaceFacts:
     truncation: dict[int, dict[str, float]] = field(default_factory=dict)  # max_seq_length -> shares cut
     refused: dict[str, list[str]] = field(default_factory=dict)  # key -> "value: why" the guards refuse
     lengths: Any = None  # each row's token length (numpy), for the memory model's peak micro-batch
+    prompts: Any = None  # each row's prompt length in tokens (what a max_seq_length cuts of an answer)
+    defaults: dict[str, Any] = field(default_factory=dict)  # the sweep's value of each knob with facts
+
+    def of(self, setting: dict[str, Any]) -> dict[str, float]:
+        """What the data says of a setting (config key -> value; the sweep's value where it has none): each
+        registered knob's facts (src/knobs.py Knob.fact), e.g. the shares of answers its max_seq_length cuts."""
+        found: dict[str, float] = {}
+        for knob in knobs.with_facts():
+            value = setting.get(knob.key, self.defaults.get(knob.key))
+            if value is not None and knob.fact == "truncation":
+                found.update(self.cut(int(value)))
+        return found
+
+    def cut(self, length: int) -> dict[str, float]:
+        """The shares of rows and answers `length` cuts (computed once per length)."""
+        if length not in self.truncation and self.lengths is not None and length > 0:
+            from src.data import truncation
+
+            self.truncation[length] = truncation(self.lengths, self.prompts, length)
+        return self.truncation.get(length, {})
 
 
 def check_space(config: DictConfig, distributions: dict[str, BaseDistribution]) -> SpaceFacts:
@@ -51,7 +72,8 @@ def check_space(config: DictConfig, distributions: dict[str, BaseDistribution]) 
         raise SpaceRefused(f"no trial of this sweep could run: {exc}") from None
     lengths = _values(distributions[SEQ]) if SEQ in distributions else [task.data.max_seq_length]
     facts.truncation = {int(n): truncation(full, prompt, int(n)) for n in lengths if int(n) > 0}
-    facts.lengths = full
+    facts.lengths, facts.prompts = full, prompt
+    facts.defaults = {k.key: OmegaConf.select(task, k.key) for k in knobs.with_facts()}
     return facts
 
 

@@ -99,6 +99,15 @@ class MemoryGate:
         model = self.model or MemoryModel()
         return model.predict(s, peak_batch(self.lengths, s))
 
+    def describes_device(self) -> bool:
+        """Whether its predictions describe what a trial here measures: a fitted model's file, or a GPU (first
+        principles or calibrated); not a CPU, whose trials measure the process's own memory, not VRAM."""
+        if self.mode not in MODES:
+            return True
+        if self.mode == "auto" and self.fitted_on < 0:
+            self.refresh(0)
+        return self.active and (self.stack is not None or (self.fitted_on < 0 and current_stack() is not None))
+
     def skips(self, prediction: Prediction | None) -> bool:
         """Beyond the budget by more than the model's own error, from a model that may decide."""
         if prediction is None or self.mode in ("predict", "off") or self.model is None:

@@ -70,11 +70,19 @@ class SweepRuns:
         except Exception:
             return True
 
-    def child(self, number: int, slot: str, params: dict[str, Any] | None = None) -> str:
-        """A trial's run, named by its knobs when the caller passes them (`params`: config key -> value)."""
+    def child(
+        self,
+        number: int,
+        slot: str,
+        params: dict[str, Any] | None = None,
+        lever: list[str] | tuple[str, ...] = (),
+        recipe: dict[str, Any] | None = None,
+    ) -> str:
+        """A trial's run, named by its knobs when the caller passes them (`params`: config key -> value), or by what
+        it changed of the recipe (`recipe`: the recipe's params) for a lever or recommendation trial."""
         run = self.client.create_run(
             self.experiment_id,
-            run_name=trial_name(number, params or {}),
+            run_name=trial_name(number, params or {}, lever, recipe=recipe),
             tags={
                 record.PARENT_RUN: self.parent,
                 record.OPTUNA_STUDY: self.study_name,
@@ -222,12 +230,29 @@ def setting_words(params: dict[str, Any], lever: list[str] | tuple[str, ...] = (
 
 
 def trial_name(
-    number: int, params: dict[str, Any], lever: list[str] | tuple[str, ...] = (), outcome: str | None = None
+    number: int,
+    params: dict[str, Any],
+    lever: list[str] | tuple[str, ...] = (),
+    outcome: str | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> str:
-    """`trial 3: seq=1024 r=16`; with the report's outcome (class, or a failure's kind): `trial 3 oom: ...`."""
+    """`trial 3: seq=1024 r=16`; with the report's outcome (class, or a failure's kind): `trial 3 oom: ...`. A trial
+    of the recipe with changes (a lever or recommendation trial; `recipe`: the recipe's params) says what it
+    changed: `trial 4 stable: recipe + gradient_checkpointing`."""
     head = f"trial {number}" + (f" {outcome}" if outcome else "")
-    words = setting_words(params, lever)
+    words = change_words(recipe, params, lever) if recipe is not None and lever else setting_words(params, lever)
     return f"{head}: {words}"[:_NAME_LIMIT] if words else head
+
+
+def change_words(recipe: dict[str, Any], params: dict[str, Any], lever: list[str] | tuple[str, ...]) -> str:
+    """What a trial changed of the recipe: `recipe + gradient_checkpointing + attn_implementation=sdpa +
+    max_seq_length=4096` (a switch turned on by its name, other values with theirs)."""
+    parts = [f"{k.rsplit('.', 1)[-1]}={knobs.fmt(v)}" for k, v in params.items() if recipe.get(k, v) != v]
+    for override in lever:
+        key, _, value = override.partition("=")
+        name = key.lstrip("+~").rsplit(".", 1)[-1]
+        parts.append(name if value == "true" else f"{name}={value}")
+    return " + ".join(["recipe", *parts])
 
 
 def skipped_name(number: int, params: dict[str, Any], why: str | None, because_of: int | None) -> str:

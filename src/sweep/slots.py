@@ -37,6 +37,7 @@ def check_values(sweeper: DictConfig) -> None:
         "headroom_margin": (lambda v: 0 <= v <= 1, "a share of the budget, from 0 to 1, e.g. 0.10"),
         "soak_top_k": (lambda v: v >= 0, "at least 0 (0: no soak)"),
         "soak_minutes": (lambda v: v >= 0, "minutes, at least 0"),
+        "recommend_trials": (lambda v: v >= 0, "at least 0 (0: the sweep does not search for a setting)"),
     }
     for key, (ok, what) in ranges.items():
         value = sweeper.get(key)

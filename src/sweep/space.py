@@ -67,6 +67,19 @@ def outside_space(params: dict[str, Any], distributions: dict[str, BaseDistribut
     ]
 
 
+def sweep_space(sweeper: Any, arguments: list[str]) -> tuple[list[str], dict[str, BaseDistribution]]:
+    """(overrides every trial gets, the space's distributions) from the sweeper's config and the command line; a
+    space value that is one value (not a distribution) joins the fixed overrides. Credentials in the space are
+    refused: Optuna would store them in clear."""
+    params = OmegaConf.to_container(sweeper.params, resolve=True) or {}
+    defaults = OmegaConf.to_container(sweeper.default_params, resolve=True) or {}
+    fixed, space = split_arguments(list(arguments), params, defaults, bool(sweeper.custom_search_space))
+    refuse_credentials(space, sweeper.enqueue_trials)
+    distributions = {k: v for k, v in space.items() if isinstance(v, BaseDistribution)}
+    fixed += [f"{k}={override_value(v)}" for k, v in space.items() if not isinstance(v, BaseDistribution)]
+    return fixed, distributions
+
+
 def split_arguments(
     arguments: list[str], params: dict[str, Any], default_params: dict[str, Any], custom: bool = False
 ) -> tuple[list[str], dict[str, Any]]:

@@ -25,8 +25,8 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from src import record
+from src.places import study_storage
 from src.record import DEAD_WORKER, LEVER, WORKER_HOST, WORKER_PID, retried_numbers
-from src.study import study_storage
 from src.sweep.rules import CONSTRAINTS, CONSTRAINTS_KEY
 
 log = logging.getLogger(__name__)

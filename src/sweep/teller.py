@@ -21,6 +21,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from src import record, tracking
+from src.failures import first_line
 from src.record import Outcome
 from src.redact import redact_text
 from src.study import classify
@@ -150,6 +151,28 @@ class Teller:
         )
         return True
 
+    def recover(self, study: optuna.Study, trials_dir: Path, close_dead_run: Any) -> None:
+        """Settle the trials whose worker died (StudyStore.dead): each told from its own records if they say it
+        finished, else failed as killed with its MLflow run closed (and queued again if asked)."""
+        for trial in self.store.dead(study):
+            if not self.tell_from_records(study, trial, trials_dir / f"{trial.number:03d}"):
+                self.store.fail_dead(study, trial, close_dead_run(study, trial))
+        self.store.fail_stale(study)
+
+    def engine_error(self, study: optuna.Study, trial: optuna.Trial, exc: Exception) -> None:
+        """The engine's own trouble with one trial (not the trial's): recorded on it as `other`, its run closed,
+        the sweep goes on."""
+        log.exception("trial %d: engine error", trial.number)
+        frozen = self.store.get(trial.number)
+        if frozen.state.is_finished():
+            return  # another worker took it for dead and failed it meanwhile
+        message = redact_text(first_line(str(exc)))
+        self.store.set_attrs(trial.number, record.failure_fields({"kind": "other", "message": message}))
+        run_id = frozen.user_attrs.get(record.RUN_ID)
+        if not self.runs.close_errored(run_id, message):
+            log.warning("trial %d: its MLflow run %s could not be closed", trial.number, run_id)
+        tell(study, trial, state=TrialState.FAIL)
+
     def lever_param(self, trial: optuna.Trial) -> None:
         """A lever trial's lever as an Optuna param (record.LEVER_PARAM), written before it is told: its params are
         the recipe's, so without it every outside tool would read one setting with several outcomes. Categorical
@@ -157,19 +180,22 @@ class Teller:
         in the storage, not suggested, so no sampler draws it, and samplers that model the params every trial shares
         leave it out."""
         overrides = recipe.lever_overrides(trial)
-        if not overrides or record.LEVER_PARAM in trial.params:
+        name = record.RECOMMEND_PARAM if trial.user_attrs.get(record.RECOMMENDED) else record.LEVER_PARAM
+        if not overrides or name in trial.params:
             return
-        params = {k: v for k, v in trial.params.items() if k != record.LEVER_PARAM}
-        choices = [record.lever_value(o) for o in recipe.levers(self.config, params)]
         value = record.lever_value(overrides)
+        if name == record.RECOMMEND_PARAM:  # over the study's queued recommendations: one distribution for all
+            queued = (study_attrs(self.store).get(record.RECOMMENDATION) or {}).get("levers", [])
+            choices = sorted({record.lever_value(c) for c in queued})
+        else:
+            params = {k: v for k, v in trial.params.items() if k != record.LEVER_PARAM}
+            choices = [record.lever_value(o) for o in recipe.levers(self.config, params)]
         if value not in choices:  # a lever of an older config: still one setting of its own
             choices.append(value)
         distribution = CategoricalDistribution(choices)
         trial_id = self.store.trial_id(trial.number)
         try:
-            self.store.storage.set_trial_param(
-                trial_id, record.LEVER_PARAM, distribution.to_internal_repr(value), distribution
-            )
+            self.store.storage.set_trial_param(trial_id, name, distribution.to_internal_repr(value), distribution)
         except ValueError as exc:  # the study's earlier lever trials have other choices (a changed config)
             log.warning("trial %d: its lever is in user attr %s only (%s)", trial.number, record.LEVER, exc)
 
@@ -191,6 +217,11 @@ class Teller:
             self.tally.refresh(study)
             self.runs.log_counts(self.tally.counts, self.tally.counts["finished"])
             self.tally.show(finished=1)
+
+
+def study_attrs(store: StudyStore) -> dict[str, Any]:
+    """The study's user attrs, read from its storage."""
+    return store.storage.get_study_user_attrs(store.study_id)
 
 
 def tell(study: optuna.Study, trial: Any, values: Any = None, state: TrialState | None = None) -> None:
