@@ -66,10 +66,23 @@ class Measurements(TrainerCallback):
             self.nvml.start()
         self.write_progress("loading")
 
-    def write_progress(self, phase: str) -> None:
+    def write_progress(self, phase: str, epoch: float | None = None) -> None:
+        """phase, step and time for the watchdog; the epoch and the peak so far for whoever shows progress (the
+        soak's view, src/sweep/soak.py)."""
+        progress: dict[str, Any] = {"phase": phase, "step": self.step, "time": time.time()}
+        if epoch is not None:
+            progress["epoch"] = epoch
+        peak = self._peak_so_far()
+        if peak is not None:
+            progress["peak_gib"] = peak
         tmp = self.progress_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"phase": phase, "step": self.step, "time": time.time()}))
+        tmp.write_text(json.dumps(progress))
         tmp.replace(self.progress_path)
+
+    def _peak_so_far(self) -> float | None:
+        if self.cuda:
+            return torch.cuda.max_memory_reserved() / GIB
+        return self.host.peak_gib() if self.host is not None else None
 
     def _sync(self) -> None:
         if self.cuda:
@@ -108,7 +121,7 @@ class Measurements(TrainerCallback):
             record["vram_reserved_gib"] = self.host.sample()
         self.steps.append(record)
         self._last_t, self._last_tokens = now, tokens
-        self.write_progress("training")
+        self.write_progress("training", state.epoch)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         loss = (logs or {}).get("loss")

@@ -162,11 +162,13 @@ def search_once(
             return []
         queued = search(study, classified(), config, memory, facts, fixed, distributions, budget)
     if queued:
-        print(
-            f"search: the recipe is not stable within the policies; measuring {len(queued)} setting(s) the memory "
-            "model predicts to fit it (beyond n_trials)",
-            flush=True,
+        how = (
+            "the memory model predicts to fit with the headroom margin"
+            if memory.describes_device()
+            else "the memory model ranks first (it does not describe this device: the trials decide)"
         )
+        why = study.user_attrs.get(record.RECOMMENDATION, {}).get("why", "the recipe is not good")
+        print(f"search: {why}; measuring {len(queued)} setting(s) {how}, beyond n_trials", flush=True)
     return queued
 
 

@@ -250,7 +250,7 @@ def change_words(recipe: dict[str, Any], params: dict[str, Any], lever: list[str
     parts = [f"{k.rsplit('.', 1)[-1]}={knobs.fmt(v)}" for k, v in params.items() if recipe.get(k, v) != v]
     for override in lever:
         key, _, value = override.partition("=")
-        name = key.lstrip("+~").rsplit(".", 1)[-1]
+        name, value = key.lstrip("+~").rsplit(".", 1)[-1], value.strip("'\"")  # sdpa, not 'sdpa' (Hydra's quoting)
         parts.append(name if value == "true" else f"{name}={value}")
     return " + ".join(["recipe", *parts])
 

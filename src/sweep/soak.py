@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,9 +28,11 @@ from omegaconf import OmegaConf
 
 from src import record, tracking
 from src.config import override_value
+from src.handoff import PROGRESS_FILE
 from src.record import Outcome
 from src.study import Sweep, TrialRow
 from src.sweep.launch import launch
+from src.sweep.process import read_json
 from src.sweep.slots import Slot
 from src.sweep.stop import stopping
 
@@ -127,7 +130,7 @@ def run(
                 if not queue:
                     return
                 row = queue.pop(0)
-            record = soak_one(study, sweep, row, slot, fixed, runs, limits, budget, minutes)
+            record = soak_one(study, sweep, row, slot, fixed, runs, limits, budget, minutes, slots.index(slot))
             with lock:
                 results.append(record)
 
@@ -150,14 +153,22 @@ def soak_one(
     limits: Any,
     budget: float,
     minutes: float,
+    position: int = 0,
 ) -> dict[str, Any]:
-    """One finalist's soak, launched as every trial is (src/sweep/launch.py), its run made by the sweep's runs."""
+    """One finalist's soak, launched as every trial is (src/sweep/launch.py), its run made by the sweep's runs;
+    its progress shown as it runs (`Progress`)."""
     study.set_user_attr(KEY.format(row.number), {"status": "running", "slot": slot.name, "started": time.time()})
     run_id = runs.soak(row.number, slot.name)
     log_dir = log_dir_of(sweep, row.number)
     log.info("soaking trial %d on %s: at least one epoch and %g minutes (%s)", row.number, slot.name, minutes, log_dir)
     started = time.time()
-    outcome = launch(runs, limits, slot, f"soak-{row.number}", overrides(row, fixed, minutes), log_dir, run_id, budget)
+    view = Progress(row.number, minutes, log_dir, runs, bool(limits.get("progress", False)), position)
+    try:
+        outcome = launch(
+            runs, limits, slot, f"soak-{row.number}", overrides(row, fixed, minutes), log_dir, run_id, budget, view.beat
+        )
+    finally:
+        view.close()
     if stopping.is_set() and outcome.failure and outcome.failure["kind"] == "killed":
         # ended by the sweep's stop: it says nothing of the setting, and the next run soaks it again
         stopped = {"trial": row.number, "run_id": run_id, "status": STOPPED, "detail": outcome.failure["message"]}
@@ -170,6 +181,61 @@ def soak_one(
         tracking.set_tags(runs.client, row.run_id, {record.SOAK_STATUS: soaked["status"], record.SOAK_RUN_ID: run_id})
     log.info("soak of trial %d: %s (%s)", row.number, soaked["status"], soaked["detail"])
     return soaked
+
+
+class Progress:
+    """A soak's progress while it runs, read from the trial's progress file at each heartbeat: which setting, its
+    steps and epoch, the elapsed share of its minutes and the peak reserved so far; a bar in the terminal (one per
+    slot, when hydra.sweeper.progress is on) and metrics on the sweep's parent run (`soak.<trial>.steps`,
+    `.epoch`, `.elapsed_min`, `.peak_vram_reserved_gib`, at the elapsed second), for a dashboard."""
+
+    def __init__(self, number: int, minutes: float, log_dir: Path, runs: Any, show: bool, position: int) -> None:
+        self.number, self.minutes, self.log_dir, self.runs = number, minutes, log_dir, runs
+        self.started = time.time()
+        self.bar = None
+        if show:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=round(minutes * 60),
+                desc=f"soak trial {number}",
+                unit="s",
+                position=position,
+                leave=True,
+                dynamic_ncols=True,
+                file=sys.stderr,
+                bar_format="{desc}: {percentage:3.0f}% of its {total}s |{bar}| {elapsed} {postfix}",
+            )
+
+    def beat(self) -> None:
+        progress = read_json(self.log_dir / PROGRESS_FILE)
+        elapsed = time.time() - self.started
+        if progress.get("phase") != "training":
+            if self.bar is not None:
+                self.bar.set_postfix_str("loading", refresh=True)
+            return
+        shown = {"steps": float(progress.get("step", 0)), "elapsed_min": elapsed / 60}
+        if progress.get("epoch") is not None:
+            shown["epoch"] = float(progress["epoch"])
+        if progress.get("peak_gib") is not None:
+            shown["peak_vram_reserved_gib"] = float(progress["peak_gib"])
+        if self.bar is not None:
+            self.bar.n = min(round(elapsed), self.bar.total)
+            words = f"step {int(shown['steps'])}"
+            if "epoch" in shown:
+                words += f", epoch {shown['epoch']:.2f}"
+            if "peak_vram_reserved_gib" in shown:
+                words += f", peak {shown['peak_vram_reserved_gib']:.2f} GiB"
+            self.bar.set_postfix_str(words, refresh=True)
+        metrics = {f"soak.{self.number}.{k}": v for k, v in shown.items()}
+        try:
+            tracking.log_metrics(self.runs.client, self.runs.parent, metrics, step=round(elapsed))
+        except Exception as exc:  # noqa: BLE001 - a view: a store that fails here never ends the soak
+            log.warning("soak trial %d: progress not logged to the parent run (%s)", self.number, exc)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def judge(
