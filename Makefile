@@ -17,14 +17,22 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[cpu,dev]' --config-settings editable_mode=compat $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	touch $@
 
+# The whole way, as a user takes it: the map and the soak of its best setting (one sweep), the map, the promotion
+# of the soaked setting (no flags), and a production trial of it (bounded to DEMO_STEPS steps: its 5 epochs would
+# take minutes on a CPU; the file it trains is the promoted one, unchanged).
+DEMO_STEPS ?= 30
 demo: $(VENV)/.installed
 	$(PY) -m src.train -m hydra/sweeper=optuna sweep=demo hydra.sweeper.study_name=$(STUDY)
 	$(PY) -m src.report $(STUDY)
+	$(PY) -m src.promote $(STUDY)
+	$(PY) -m src.train experiment=production trainer.max_steps=$(DEMO_STEPS)
 	@echo
-	@echo "Trials, metrics and failures: make ui  (MLflow at http://127.0.0.1:$(PORT), experiment '$(STUDY)')"
-	@echo "Report and pictures:          sweeps/$(STUDY)/report.md"
+	@echo "The map, the soak and the recommendation: sweeps/$(STUDY)/report.md (and its soak's log: sweeps/$(STUDY)/soak/)"
+	@echo "The promoted setting:  conf/experiment/production.yaml, and the MLflow registry's 'production' alias"
+	@echo "Its production trial:  the newest sweeps/single/<time>/ (result.json), MLflow experiment 'qlora-trials'"
+	@echo "Trials, metrics, soak: make ui  (MLflow at http://127.0.0.1:$(PORT), experiment '$(STUDY)')"
 	@echo "Everything else, in the venv: . $(VENV)/bin/activate   then python -m src.train, python -m src.report $(STUDY), ..."
-	@echo "Again: study '$(STUDY)' is complete and is only reported; a fresh one: make demo STUDY=$(STUDY)2"
+	@echo "Again: study '$(STUDY)' is complete: it is reported, its promotion found unchanged, its setting trained again; a fresh one: make demo STUDY=$(STUDY)2"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src hydra_plugins tests benchmarks

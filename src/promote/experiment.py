@@ -3,6 +3,7 @@ by composing them, and the header that tells a reviewer where they come from."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -100,6 +101,7 @@ def _download_config(run_id: str | None, tracking_uri: str, into: Path) -> Path 
         return None
     if "config.yaml" not in logged:
         return None
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # three small files: no bars
     found = mlflow.artifacts.download_artifacts(
         run_id=run_id, artifact_path="config", dst_path=str(into), tracking_uri=tracking_uri
     )

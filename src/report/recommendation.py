@@ -60,8 +60,13 @@ def _against(row: TrialRow, recipe: TrialRow | None) -> str:
         return ""
     speed, theirs = row.metrics.get("tokens_per_s"), recipe.metrics.get("tokens_per_s")
     if recipe.verdict in ("stable", "marginal") and speed and theirs:
-        return f" ({speed / theirs:.2f}× your recipe's speed; your recipe: {recipe.verdict}, {recipe.detail})"
-    return f" (your recipe: {recipe.verdict}, {recipe.detail})"
+        said = f" ({speed / theirs:.2f}× your recipe's speed; your recipe: {recipe.verdict}, {recipe.detail})"
+    else:
+        said = f" (your recipe: {recipe.verdict}, {recipe.detail})"
+    new, old = row.metrics.get("tokens_per_optimizer_step"), recipe.metrics.get("tokens_per_optimizer_step")
+    if new and old and not 0.8 <= new / old <= 1.25:  # batches of one setting differ a little; a step size 2x
+        said += f"; a different optimisation: {new:,.0f} tokens per optimizer step instead of {old:,.0f}"
+    return said
 
 
 def _soak(soak: dict) -> str:
