@@ -103,14 +103,15 @@ class SweepEngine:
         self.lock = threading.Lock()  # this process's threads; the study's lock is self.store.lock()
         self.host = socket.gethostname()
         self.store = StudyStore(self.sweeper, self.study_name, self.study_dir, self.host, self.close_dead_run)
-        self.tally = Tally(self.study_name, self.objectives[0], self.directions[0] == "maximize")
+        # How every trial runs: a probe (hydra.sweeper.trial_overrides), and settings that cut answers measured and
+        # recorded (the gate's facts) instead of refused. Recorded on the parent run: promotion leaves them out.
+        self.truncation_policy = float(config.preflight.max_truncated_answer_frac)
+        maximize, margin = self.directions[0] == "maximize", float(self.sweeper.headroom_margin)
+        self.tally = Tally(self.study_name, self.objectives[0], maximize, margin, self.truncation_policy)
         # records each outcome in Optuna and MLflow (src/sweep/teller.py)
         self.teller = Teller(config, self.store, self.rules, self.objectives, self.directions, self.tally, self.lock)
         self.runs: SweepRuns | None = None
         self.ended: str | None = None  # why the sweep stopped short of n_trials: nothing left to launch
-        # How every trial runs: a probe (hydra.sweeper.trial_overrides), and settings that cut answers measured and
-        # recorded (the gate's facts) instead of refused. Recorded on the parent run: promotion leaves them out.
-        self.truncation_policy = float(config.preflight.max_truncated_answer_frac)
         self.trial_overrides = [*map(str, self.sweeper.trial_overrides), "preflight.max_truncated_answer_frac=1.0"]
 
     # -- the study and its runs --

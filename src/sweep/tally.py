@@ -25,10 +25,15 @@ _SKIP_WORDS = {
 
 
 class Tally:
-    def __init__(self, study_name: str, objective: str, maximize: bool) -> None:
+    def __init__(
+        self, study_name: str, objective: str, maximize: bool, margin: float = 0.0, policy: float | None = None
+    ) -> None:
         self.study_name = study_name
         self.objective = objective
         self.maximize = maximize
+        # the best so far is a setting the report could call best: it keeps the headroom margin and cuts no more
+        # answers than the truncation policy allows
+        self.margin, self.policy = margin, policy
         self.counts: Counter[str] = Counter()
         self.best: tuple[float, int] | None = None
         self.bar: Any = None
@@ -51,7 +56,7 @@ class Tally:
                 self.counts[f"skipped_{t.user_attrs.get(record.SKIP_REASON, 'repeat')}"] += 1
             elif status == "ok":
                 self.counts["ok"] += 1
-                value = t.user_attrs.get(self.objective)
+                value = t.user_attrs.get(self.objective) if self._good(t.user_attrs) else None
                 if value is not None and (best is None or (value > best[0]) == self.maximize):
                     best = (value, t.number)
             else:
@@ -60,6 +65,12 @@ class Tally:
         self.best = best
         # the recipe's lever trials run beyond n_trials (src/sweep/recipe.py): the bar's total grows by them
         self.counts["levers"] = sum(1 for t in trials if record.LEVER in t.user_attrs)
+
+    def _good(self, attrs: dict[str, Any]) -> bool:
+        headroom, cut = attrs.get("vram_headroom_frac"), attrs.get("truncated_answer_frac")
+        if headroom is not None and headroom < self.margin:
+            return False
+        return cut is None or self.policy is None or cut <= self.policy
 
     def total(self) -> int:
         """The trials the sweep runs: n_trials, and the recipe's lever trials beyond them."""
@@ -106,7 +117,7 @@ class Tally:
             f"{self.skipped()}" + (f", failed: {failed}" if failed else "")
         ]
         if self.best:
-            lines.append(f"best {self.objective}: {self.best[0]:.4g} (trial {self.best[1]})")
+            lines.append(f"best stable {self.objective} within the policies: {self.best[0]:.4g} (trial {self.best[1]})")
         lines.append(f"storage: {storage_url}  |  MLflow: {tracking_uri} (experiment '{self.study_name}')")
         lines.append(f"trial logs: {trials_dir}  |  map: {report}")
         return redact_text("\n".join(lines))
