@@ -55,7 +55,7 @@ class Candidate:
 def lever_words(override: str) -> str:
     """A lever as a name: `gradient_checkpointing` for a switch turned on, else `key=value` (last key part)."""
     key, _, value = override.partition("=")
-    name = key.lstrip("+~").rsplit(".", 1)[-1]
+    name, value = key.lstrip("+~").rsplit(".", 1)[-1], value.strip("'\"")  # sdpa, not Hydra's quoted 'sdpa'
     return name if value == "true" else f"{name}={value}"
 
 
