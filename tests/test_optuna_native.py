@@ -261,22 +261,29 @@ def test_outside_tools_see_each_lever_trial_as_a_setting_of_its_own(
     cfg = _fake_sweep(monkeypatch, name, 1, ["lora.r=choice(8,16)"], queue, process=_marginal_is_faster)
     storage = _storage(root, name)
     study = optuna.load_study(study_name=name, storage=storage)
-    recipe, *levers = study.trials
-    assert len(levers) >= 2 and all(t.user_attrs["sweep.lever_of"] == 0 for t in levers)
+    recipe, *after = study.trials
+    assert all(t.user_attrs["sweep.lever_of"] == 0 for t in after)
+    # the recipe stays marginal, so the search follows its levers (issue 28); its trials carry their own param
+    levers = [t for t in after if not t.user_attrs.get("sweep.recommended")]
+    searched = [t for t in after if t.user_attrs.get("sweep.recommended")]
+    assert len(levers) >= 2 and searched
     settings = [tuple(sorted(t.params.items())) for t in study.trials]
     assert len(set(settings)) == len(settings), settings
     for t in levers:
         assert t.params["lever"] == ", ".join(json.loads(t.user_attrs["sweep.lever"]))
         assert t.params["lora.r"] == recipe.params["lora.r"]
+    for t in searched:
+        assert t.params["recommendation"] == ", ".join(json.loads(t.user_attrs["sweep.lever"]))
     assert "lever" not in recipe.params
 
     (summary,) = [s for s in _dashboard(storage, "/api/studies")["study_summaries"] if s["study_name"] == name]
     detail = _dashboard(storage, f"/api/studies/{summary['study_id']}")
     shown = [tuple(sorted((p["name"], p["param_external_value"]) for p in t["params"])) for t in detail["trials"]]
     assert len(set(shown)) == len(shown), shown
-    assert {p["name"] for p in detail["union_search_space"]} == {"lora.r", "lever"}
+    assert {p["name"] for p in detail["union_search_space"]} == {"lora.r", "lever", "recommendation"}
     _dashboard(storage, f"/api/studies/{summary['study_id']}/param_importances")  # computes without error
 
     sweep = report.load(name, root / "sweeps", tracking_uri=str(cfg.tracking.uri))
     assert sweep.knobs == ["lora.r"]
-    assert all(sweep.row(t.number).lever and "lever" not in sweep.row(t.number).params for t in levers)
+    for t in after:
+        assert sweep.row(t.number).lever and not {"lever", "recommendation"} & set(sweep.row(t.number).params)

@@ -91,7 +91,7 @@ def test_n_trials_bounds_the_maps_trials_with_queued_settings(root: Path, monkey
 def test_a_sweep_that_can_launch_nothing_new_stops_and_says_why(root: Path, monkeypatch, capsys) -> None:
     """n_trials=10000 on a space measured out ran 1,355 skipped trials in 3 minutes: a finite space once every
     setting is told, or any space after hydra.sweeper.max_skips_in_a_row skipped proposals in a row, ends the sweep with one line."""
-    from src.sweep import engine
+    from src.sweep import gate
     from tests.test_sweep import _fake_sweep, _ok_process
 
     _fake_sweep(monkeypatch, "measured_out", 60, ["lora.r=choice(4,8)"], process=_ok_process)
@@ -101,7 +101,7 @@ def test_a_sweep_that_can_launch_nothing_new_stops_and_says_why(root: Path, monk
     assert "sweep ended early: all 2 settings of the space are on the map after 2 trials" in out
     assert "n_trials=60" in out
 
-    monkeypatch.setattr(engine, "space_size", lambda distributions: None)  # as a space with a continuous knob
+    monkeypatch.setattr(gate, "space_size", lambda distributions: None)  # as a space with a continuous knob
     space = ["lora.r=choice(4,8)"]
     _fake_sweep(monkeypatch, "repeats", 60, space, "hydra.sweeper.max_skips_in_a_row=5", process=_ok_process)
     out = capsys.readouterr().out
