@@ -186,9 +186,11 @@ def prepare_apart(cfg: Any) -> bool:
         file=sys.stderr,
         flush=True,
     )
-    child = multiprocessing.get_context("spawn").Process(
-        target=_prepare, args=(OmegaConf.to_container(cfg, resolve=True),), name="model-build"
-    )
+    # Only the groups the build reads (load): the rest may not resolve outside a Hydra run, e.g. Hydra's own node
+    # where a tool or a test composed with hydra_config=True (its sweep subdir needs hydra.job.num) or a
+    # ${hydra:runtime...} path (HydraConfig is not set).
+    task = {group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("model", "hardware", "paths")}
+    child = multiprocessing.get_context("spawn").Process(target=_prepare, args=(task,), name="model-build")
     child.start()
     child.join()
     if child.exitcode != 0:

@@ -60,6 +60,16 @@ FAST_SWEEP = [
 ]
 
 
+def sweep_argv(*overrides: str, study: str | None = None, fast: bool = False) -> list[str]:
+    """A sweep's command after `python -m`, as a user types it: `src.train -m hydra/sweeper=optuna`, `overrides`,
+    the study's name (when given) and no progress bar (the test captures the output); `fast`: FAST_SWEEP's short
+    trials and no soak. For `run_cli(*sweep_argv(...), ...)` or `[sys.executable, "-m", *sweep_argv(...), ...]`:
+    what comes after overrides these (Hydra's last value of a key wins)."""
+    named = [f"hydra.sweeper.study_name={study}"] if study is not None else []
+    usual = FAST_SWEEP if fast else ["hydra.sweeper.progress=false"]
+    return ["src.train", "-m", "hydra/sweeper=optuna", *overrides, *named, *usual]
+
+
 # ---- fixtures ---------------------------------------------------------------------------------------------------
 
 

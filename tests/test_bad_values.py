@@ -95,11 +95,11 @@ def test_a_study_name_that_is_not_one_plain_word_is_refused_before_anything_is_w
 ) -> None:
     """`hydra.sweeper.study_name=a/../../../escape` made a lock file outside the project and a name with a space
     failed every trial as "other" (#30.17): refused in one line naming the key, nothing written anywhere."""
-    from tests.conftest import run_cli
+    from tests.conftest import run_cli, sweep_argv
 
     root = tmp_path / "project" / "root"
     root.mkdir(parents=True)
-    done = run_cli("src.train", "-m", "hydra/sweeper=optuna", f"hydra.sweeper.study_name={name}", root=root)
+    done = run_cli(*sweep_argv(study=name), root=root)
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert lines[-1].startswith(f"error: hydra.sweeper.study_name={name!r}: a study's name is one word"), done.stderr

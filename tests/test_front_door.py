@@ -19,9 +19,9 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, sweep_argv
 
-SWEEP = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.study_name=door", "hydra.sweeper.progress=false"]
+SWEEP = sweep_argv(study="door")
 
 
 def _secret(prefix: str) -> str:
@@ -122,8 +122,8 @@ def test_hydras_basic_sweeper_is_refused_before_it_writes_or_prints_anything(roo
 
 _WITH_PASSWORD = {  # command, the key the message names
     "trial": (["src.train", "tracking.uri={http}"], "tracking.uri"),
-    "sweep": (["src.train", *SWEEP, "tracking.uri={http}"], "tracking.uri"),
-    "sweep-storage": (["src.train", *SWEEP, "hydra.sweeper.storage={pg}"], "hydra.sweeper.storage"),
+    "sweep": ([*SWEEP, "tracking.uri={http}"], "tracking.uri"),
+    "sweep-storage": ([*SWEEP, "hydra.sweeper.storage={pg}"], "hydra.sweeper.storage"),
     "report": (["src.report", "door", "--tracking-uri", "{http}"], "--tracking-uri"),
     "report-storage": (["src.report", "door", "--storage", "{pg}"], "--storage"),
     "promote": (["src.promote", "door", "--tracking-uri", "{http}"], "--tracking-uri"),
@@ -153,8 +153,8 @@ def test_a_password_in_a_store_uri_is_refused_before_the_store_is_contacted(
 
 _UNREACHABLE = {  # command, the key the message names, what cannot be reached
     "trial": (["src.train", "tracking.uri={http}"], "tracking.uri", "the MLflow tracking store"),
-    "sweep": (["src.train", *SWEEP, "tracking.uri={http}"], "tracking.uri", "the MLflow tracking store"),
-    "sweep-storage": (["src.train", *SWEEP, "hydra.sweeper.storage={pg}"], "hydra.sweeper.storage", "the Optuna"),
+    "sweep": ([*SWEEP, "tracking.uri={http}"], "tracking.uri", "the MLflow tracking store"),
+    "sweep-storage": ([*SWEEP, "hydra.sweeper.storage={pg}"], "hydra.sweeper.storage", "the Optuna"),
     "report": (["src.report", "door", "--tracking-uri", "{http}"], "--tracking-uri", "the MLflow tracking store"),
     "report-storage": (["src.report", "--storage", "{pg}"], "--storage", "the Optuna storage"),
     "promote": (["src.promote", "door", "--tracking-uri", "{http}"], "--tracking-uri", "the MLflow tracking store"),
@@ -215,9 +215,9 @@ def _read_only(folder: Path) -> Iterator[None]:
 
 
 _READ_ONLY = {  # the folder made read-only, command, what the message names
-    "mlruns-sweep": ("mlruns", ["src.train", *SWEEP], ["tracking.uri", "paths.mlruns_dir"]),
+    "mlruns-sweep": ("mlruns", [*SWEEP], ["tracking.uri", "paths.mlruns_dir"]),
     "mlruns-trial": ("mlruns", ["src.train"], ["tracking.uri", "paths.mlruns_dir"]),
-    "sweeps-sweep": ("sweeps", ["src.train", *SWEEP], ["hydra.sweeper.storage", "paths.sweeps_dir"]),
+    "sweeps-sweep": ("sweeps", [*SWEEP], ["hydra.sweeper.storage", "paths.sweeps_dir"]),
 }
 
 

@@ -17,7 +17,7 @@ from src import promote, report
 from src.config import PROJECT_DIR, compose
 from src.fit.calibration import Lengths, vocab_fallback
 from src.fit.model import DEFAULTS, MemoryModel, Setting, peak_batch
-from tests.conftest import FAST_SWEEP, run_cli, run_main
+from tests.conftest import run_cli, run_main, sweep_argv
 
 STUDY = "memory"
 SMALL, LARGE = 1, 8  # per-device batch: eight of the longest rows at once need about eight times the activations
@@ -50,8 +50,8 @@ def swept(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[Pa
     assert predicted[SMALL] < budget < predicted[LARGE] * 0.98
     env = {"QLORA_CACHE": str(cache_dir)}
     done = run_cli(
-        "src.train", "-m", "hydra/sweeper=optuna", f"hydra.sweeper.study_name={STUDY}", "hydra.sweeper.n_trials=2",
-        *(o for o in FAST_SWEEP if "soak" not in o), "hydra/sweeper/sampler=grid", "hydra.sweeper.enqueue_trials=[]",
+        *sweep_argv("hydra.sweeper.n_trials=2", study=STUDY, fast=True),
+        "hydra/sweeper/sampler=grid", "hydra.sweeper.enqueue_trials=[]",
         f"{KNOB}=choice({SMALL},{LARGE})", "data.max_seq_length=512", "model=tiny_llama", "data=clinical_sample", f"data.path={data}",
         f"hardware.vram_budget_gib={budget}", f"hydra.sweeper.memory_model={root / 'model.json'}",
         "hydra.sweeper.soak_top_k=1", "hydra.sweeper.soak_minutes=0",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import new_store, run_cli
+from tests.conftest import compose_cfg, new_store, run_cli
 
 BIGGER = [
     "model=tiny_llama",
@@ -39,3 +39,15 @@ def test_a_trial_that_must_build_its_model_builds_it_in_a_process_of_its_own(tmp
     assert "building" not in second_err
     assert (cache / "built_apart" / "config.json").exists()
     assert first["status"] == second["status"] == "ok"
+
+
+def test_a_config_composed_with_hydras_own_node_builds_apart(tmp_path: Path, monkeypatch) -> None:
+    """Tools and tests compose with Hydra's node (`compose(hydra_config=True)`), whose sweep subdir interpolates
+    `hydra.job.num`, missing outside a run: the build's process needs none of it and must not resolve it."""
+    from src import models
+
+    monkeypatch.setenv("QLORA_CACHE", str(tmp_path / "cache"))
+    cfg = compose_cfg(BIGGER[:5])
+    assert "hydra" in cfg
+    assert models.prepare_apart(cfg), "a fresh cache: the model is built"
+    assert (tmp_path / "cache" / "built_apart" / "config.json").exists()

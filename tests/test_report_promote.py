@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 from src import promote, report, tracking
 from src.config import PROJECT_DIR, compose
 from src.study import STALE_MESSAGE
-from tests.conftest import FAST_SWEEP, run_cli, run_main
+from tests.conftest import run_cli, run_main, sweep_argv
 
 STUDY = "map"
 # Enqueued in this order, so trial number i is SETTINGS[i]; each has the outcome its comment says.
@@ -59,12 +59,8 @@ def swept(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     enqueue = ",".join("{" + ",".join(f"{k}:{v}" for k, v in s.items()) + "}" for s in SETTINGS)
     env = {"QLORA_CACHE": str(cache_dir)}
     done = run_cli(
-        "src.train",
-        "-m",
-        "hydra/sweeper=optuna",
-        f"hydra.sweeper.study_name={STUDY}",
+        *sweep_argv(study=STUDY, fast=True),
         f"hydra.sweeper.n_trials={len(SETTINGS)}",
-        *FAST_SWEEP,
         f"hydra.sweeper.enqueue_trials=[{enqueue}]",
         "data.max_seq_length=choice(128,256,512)",
         "lora.r=choice(4,8)",

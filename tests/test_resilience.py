@@ -21,7 +21,7 @@ from optuna.trial import TrialState
 
 from src.config import PROJECT_DIR
 from src.sweep.rules import named_constraints
-from tests.conftest import run_cli
+from tests.conftest import run_cli, sweep_argv
 from tests.fake_sweep import FAULT_ENV
 
 
@@ -172,18 +172,13 @@ def test_ctrl_c_stops_the_trials_marks_them_interrupted_and_says_how_to_resume(r
     args = [
         sys.executable,
         "-m",
-        "src.train",
-        "-m",
-        "hydra/sweeper=optuna",
-        "sweep=demo",
-        "hydra.sweeper.study_name=ctrl-c",
+        *sweep_argv("sweep=demo", study="ctrl-c"),
         # the demo's smallest settings, none near its memory edge: this test is about the sweep process, not memory
         "hydra.sweeper.enqueue_trials=[]",
         "trainer.per_device_train_batch_size=choice(1,2)",
         "hardware.vram_budget_gib=24",
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.cpu_slots=1",
-        "hydra.sweeper.progress=false",
         "hydra.sweeper.stall_timeout_s=3600",
         "hydra.sweeper.preload=false",
         "fault=hang",
@@ -245,7 +240,7 @@ def _read(path: Path) -> str:
     ],
 )
 def test_a_sweep_that_would_run_nothing_is_refused_on_the_command_line(root: Path, setting: str, message: str) -> None:
-    done = run_cli("src.train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.study_name=nothing", setting, root=root)
+    done = run_cli(*sweep_argv(setting, study="nothing"), root=root)
     assert done.returncode != 0 and f"error: {message}" in done.stderr.splitlines(), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     assert not (root / "sweeps" / "nothing").exists() and not (root / "mlruns" / "mlflow.db").exists()

@@ -31,7 +31,7 @@ from optuna.trial import TrialState
 from src.config import PROJECT_DIR
 from src.study import failure_kind, retried_numbers
 from src.sweep.engine import SweepEngine
-from tests.conftest import compose_cfg, run_cli
+from tests.conftest import compose_cfg, run_cli, sweep_argv
 from tests.services import CONNECTION_BUDGET
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def worker_env(root: Path, cache: Path, pg: Postgres, server: MlflowServer) -> d
 def start_worker(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     with log.open("wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "src.train", "-m", "hydra/sweeper=optuna", *args],
+            [sys.executable, "-m", *sweep_argv(*args)],
             cwd=PROJECT_DIR,
             env=env,
             stdout=out,

@@ -16,7 +16,7 @@ import pytest
 
 from src import preflight, redact, tracking
 from src.config import PROJECT_DIR
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, sweep_argv
 
 
 def _fake_token(rng: random.Random) -> str:
@@ -229,9 +229,9 @@ def test_a_token_in_a_swept_value_is_refused_before_anything_is_stored(root: Pat
     included) and the terminal of the sweep and of the report are searched for the token."""
     token = "hf_" + tokens["key"][3:] + "abcd"  # the issue's shape: hf_ and 34 letters
     sweep = subprocess.run(
-        [sys.executable, "-m", "src.train", "-m", "hydra/sweeper=optuna", f"data.system_prompt=choice(plain,{token})"]
-        + ["hydra.sweeper.enqueue_trials=[]", "hydra.sweeper.study_name=leaky", "hydra.sweeper.n_trials=1"]
-        + ["hydra.sweeper.progress=false", "hydra.sweeper.trial_overrides=['trainer.max_steps=1']"],
+        [sys.executable, "-m", *sweep_argv(f"data.system_prompt=choice(plain,{token})", study="leaky")]
+        + ["hydra.sweeper.enqueue_trials=[]", "hydra.sweeper.n_trials=1"]
+        + ["hydra.sweeper.trial_overrides=['trainer.max_steps=1']"],
         cwd=PROJECT_DIR,
         env={**os.environ, "QLORA_ROOT": str(root)},
         capture_output=True,

@@ -21,7 +21,7 @@ from src.config import PROJECT_DIR
 from src.sweep.engine import SweepEngine
 from src.sweep.process import Outcome
 from src.sweep.rules import named_constraints
-from tests.conftest import compose_cfg, run_cli
+from tests.conftest import compose_cfg, run_cli, sweep_argv
 
 
 def _study(root: Path, name: str) -> optuna.Study:
@@ -61,15 +61,11 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(
     # The first queued setting is the recipe (the ok one): a failed recipe would add lever trials (src/sweep/recipe.py).
     queued = sorted(scenarios, key=lambda s: (s != "ok", s != "timeout"))
     done = run_cli(
-        "src.train",
-        "-m",
-        "hydra/sweeper=optuna",
-        f"hydra.sweeper.study_name={name}",
+        *sweep_argv(study=name),
         f"hydra.sweeper.preload={str(launcher == 'forkserver').lower()}",
         f"hydra.sweeper.n_trials={n}",
         "hydra.sweeper.custom_search_space=tests.sweep_scenarios.fault_scenarios",
         "hydra.sweeper.stall_timeout_s=10",  # a hang; under CI load a slow step (~1 s here) must not look like one
-        "hydra.sweeper.progress=false",
         f"hydra.sweeper.enqueue_trials=[{','.join('{scenario:' + s + '}' for s in queued)}]",
         "hydra.sweeper.trial_overrides=['trainer.max_steps=4','trainer.warmup_steps=0']",  # faults strike at step 2
         "fault.step=2",
@@ -142,17 +138,12 @@ def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) 
     args = [
         sys.executable,
         "-m",
-        "src.train",
-        "-m",
-        "hydra/sweeper=optuna",
-        "sweep=demo",
-        "hydra.sweeper.study_name=resume",
+        *sweep_argv("sweep=demo", study="resume"),
         # the demo's smallest settings, none near its memory edge: this test is about the sweep process, not memory
         "hydra.sweeper.enqueue_trials=[]",
         "trainer.per_device_train_batch_size=choice(1,2)",
         "hardware.vram_budget_gib=24",
         "hydra.sweeper.n_trials=4",
-        "hydra.sweeper.progress=false",
         "hydra.sweeper.skip_duplicates=false",
         "hydra.sweeper.trial_overrides=['trainer.max_steps=8']",  # long enough to be caught mid-trial
     ]

@@ -15,7 +15,7 @@ import yaml
 
 from src import failures
 from src.data import probe_rows
-from src.trial import single
+from src.trial import context, single
 from tests.conftest import compose_cfg, run_cli, run_trial_here
 
 CONTRACT_METRICS = {
@@ -45,11 +45,10 @@ def test_lora_moves_and_4bit_base_stays_frozen(root: Path) -> None:
 
     out = root / "trial"
     cfg = compose_cfg(["trainer=probe", "trainer.max_steps=3", "measure.warmup_steps=1", f"trainer.output_dir={out}"])
-    client, run_id = single.open_run(cfg)
-    state = {"client": client, "run_id": run_id}
+    ctx = context.TrialContext(*context.open_run(cfg))
     out.mkdir()
-    single.train(cfg, out, state)
-    trained = state["trainer"].model
+    single.train(cfg, out, ctx)
+    trained = ctx.trainer.model
 
     fresh, _ = models.load(cfg)
     base_layers = [m for m in fresh.modules() if isinstance(m, Linear4bit)]
@@ -131,8 +130,8 @@ def test_trial_records_every_contract_metric_and_tag_and_its_composed_config(roo
 
 def test_without_hydras_saved_config_the_run_holds_the_config_unresolved(root: Path, mlflow_client) -> None:
     cfg = compose_cfg(["lora.r=8"])
-    client, run_id = single.open_run(cfg)
-    single.log_config(client, run_id, cfg, root / "no-hydra-dir")
+    client, run_id = context.open_run(cfg)
+    context.log_config(client, run_id, cfg, root / "no-hydra-dir")
     assert [a.path for a in client.list_artifacts(run_id, "config")] == ["config/config.yaml"]
     config = yaml.safe_load(Path(client.download_artifacts(run_id, "config/config.yaml", str(root))).read_text())
     assert config["lora"]["r"] == 8 and config["paths"]["root_dir"] == "${oc.env:QLORA_ROOT,.}"
@@ -163,13 +162,12 @@ def test_compiled_layers_train_the_same_adapter_with_one_graph_for_every_layer(r
             + [f"trainer.output_dir={out}", "trainer.packing=true"]
             + ["trainer.gradient_checkpointing=true", "model.attn_implementation=sdpa"]  # the compiled setting's
         )
-        client, run_id = single.open_run(cfg)
-        state = {"client": client, "run_id": run_id}
+        ctx = context.TrialContext(*context.open_run(cfg))
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        single.train(cfg, out, state)
-        losses[mode] = state["trainer"].state.log_history[-1]["train_loss"]
-        layers = state["trainer"].model.base_model.model.model.layers
+        single.train(cfg, out, ctx)
+        losses[mode] = ctx.trainer.state.log_history[-1]["train_loss"]
+        layers = ctx.trainer.model.base_model.model.model.layers
         if mode == "layers":
             assert all(layer._compiled_call_impl is not None for layer in layers)
             # both decoder layers ran through one compiled graph, not one each

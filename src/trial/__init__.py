@@ -1,5 +1,6 @@
 """One trial: `run` in this process (single.py), or `run_data_parallel` with one `run_rank` process per card
-(data_parallel.py); src/handoff.py names what a trial and the sweep engine tell each other."""
+(data_parallel.py); both hold a `TrialContext` and open and describe their run alike (context.py). src/handoff.py
+names what a trial and the sweep engine tell each other."""
 
 from src.trial.data_parallel import run_data_parallel, run_rank
 from src.trial.single import run

@@ -15,21 +15,11 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
-from src import redact, tracking
-from src.config import to_container
-from src.failures import Failure, classify_exception, first_line
+from src import redact
+from src.failures import Failure, first_line
 from src.handoff import RESULT_FILE
-from src.trial.single import failure_of, log_config, open_run, record, train
-
-
-class _NoTracking:
-    """A rank's stand-in for the MLflow client: in a data-parallel trial only the parent process records."""
-
-    def get_run(self, run_id: str) -> Any:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
+from src.trial.context import TrialContext, check, describe, open_run
+from src.trial.single import failure_of, record, train
 
 
 def run_rank(cfg: DictConfig, out_dir: Path) -> NoReturn:
@@ -43,14 +33,14 @@ def run_rank(cfg: DictConfig, out_dir: Path) -> NoReturn:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     rank_dir = out_dir / f"rank{rank}"
     rank_dir.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Any] = {"client": _NoTracking(), "run_id": "", "rank_dir": rank_dir}
+    ctx = TrialContext(rank_dir=rank_dir)  # no run: only the parent records
     failure: Failure | None = None
     try:
-        train(cfg, out_dir, state)
+        train(cfg, out_dir, ctx)
     except BaseException as exc:  # noqa: BLE001 - recorded by the parent from this rank's file
-        failure = failure_of(exc, state.get("meas"), rank)
+        failure = failure_of(exc, ctx.meas, rank)
         (rank_dir / "traceback.txt").write_text(redact.redact_text(traceback.format_exc()))
-    meas = state.get("meas")
+    meas = ctx.meas
     result = {
         "status": "failed" if failure else "ok",
         "rank": rank,
@@ -58,10 +48,10 @@ def run_rank(cfg: DictConfig, out_dir: Path) -> NoReturn:
         "metrics": meas.summary() if meas else {},
         "failure": failure.as_dict() if failure else None,
         "failed_at": time.time() if failure else None,
-        "attention_kernel": state["attention"].tag if "attention" in state else None,
+        "attention_kernel": ctx.kernel(),
     }
     (rank_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
-    # Leave without tearing the interpreter down, while `state` still holds the trainer. Freeing DDP's reducer
+    # Leave without tearing the interpreter down, while `ctx` still holds the trainer. Freeing DDP's reducer
     # destroys the gloo group, whose destructor joins worker threads that may wait on a peer that has already
     # left: seen in CI as a finished rank hanging at exit for good, and as an abort ("terminate called without an
     # active exception"). The launcher reaps the rank; the driver frees its memory.
@@ -86,31 +76,29 @@ def run_data_parallel(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[s
 
     import torch
 
-    from src import preflight
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    client, run_id = open_run(cfg)
-    state: dict[str, Any] = {"client": client, "run_id": run_id}
+    ctx = TrialContext(*open_run(cfg))
     nproc = cfg.hardware.processes or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    refused: Failure | None = None
     try:
-        tracking.log_params(client, run_id, tracking.params(to_container(cfg)))
-        log_config(client, run_id, cfg, out_dir)
-        tracking.set_tags(client, run_id, {**tracking.system_tags(), "model.name": cfg.model.name, "ranks": nproc})
-        report = preflight.run(cfg)  # refuse before any process or card is taken
-        tracking.log_text(client, run_id, report.to_text(), "preflight.txt")
+        describe(cfg, ctx, out_dir, ranks=nproc)
+        check(cfg, ctx)  # refuse before any process or card is taken
     except BaseException as exc:  # noqa: BLE001
-        tracking.log_text(client, run_id, traceback.format_exc(), "traceback.txt")
-        return record(cfg, out_dir, state, Failure(classify_exception(exc), first_line(f"{type(exc).__name__}: {exc}")))
+        ctx.log_text(traceback.format_exc(), "traceback.txt")
+        refused = failure_of(exc, None)
+    ctx.phases.clear()  # the trial's start-up is its ranks' (rank 0's figures), not the parent's
+    if refused is not None:
+        return record(cfg, out_dir, ctx, refused)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "src.train", *argv, f"hydra.run.dir={out_dir}"]
     with (out_dir / "ranks.log").open("wb") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
     ranks = [_read_result(out_dir / f"rank{r}" / RESULT_FILE) for r in range(nproc)]
     rank0 = next((r for r in ranks if r["rank"] == 0), None)
-    state["metrics"] = _merge_metrics(ranks, rank0, cuda=torch.cuda.is_available())
-    state["attention_tag"] = rank0 and rank0.get("attention_kernel")
-    failure = None if done.returncode == 0 else _first_failure(client, run_id, out_dir, ranks)
-    return record(cfg, out_dir, state, failure)
+    ctx.metrics = _merge_metrics(ranks, rank0, cuda=torch.cuda.is_available())
+    ctx.attention_tag = rank0.get("attention_kernel") if rank0 else None
+    failure = None if done.returncode == 0 else _first_failure(ctx, out_dir, ranks)
+    return record(cfg, out_dir, ctx, failure)
 
 
 def _merge_metrics(ranks: list[dict[str, Any]], rank0: dict[str, Any] | None, cuda: bool) -> dict[str, float]:
@@ -128,7 +116,7 @@ def _merge_metrics(ranks: list[dict[str, Any]], rank0: dict[str, Any] | None, cu
     return metrics
 
 
-def _first_failure(client: Any, run_id: str, out_dir: Path, ranks: list[dict[str, Any]]) -> Failure:
+def _first_failure(ctx: TrialContext, out_dir: Path, ranks: list[dict[str, Any]]) -> Failure:
     """The failure of the rank that caused the others' (root_cause), with its traceback or the launcher's log."""
     from src.failures import classify_exit
 
@@ -137,10 +125,10 @@ def _first_failure(client: Any, run_id: str, out_dir: Path, ranks: list[dict[str
     first = next((r for r in ranks if r["rank"] == root and r["failure"]), None)
     if first is not None:
         text = (out_dir / f"rank{root}" / "traceback.txt").read_text()
-        tracking.log_text(client, run_id, text, f"traceback_rank{root}.txt")
+        ctx.log_text(text, f"traceback_rank{root}.txt")
         return Failure(**first["failure"])
     # it died without a word (signal, segfault): its exit code says how
-    tracking.log_text(client, run_id, log_text[-20000:], "ranks_log_tail.txt")
+    ctx.log_text(log_text[-20000:], "ranks_log_tail.txt")
     return Failure(classify_exit(code, log_text), first_line(f"rank {root} exited with {code}"), rank=root)
 
 

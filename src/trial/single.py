@@ -15,104 +15,64 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from src import record as rec
-from src import stores, tracking
-from src.config import to_container
-from src.failures import ConfigError, DataError, Failure, classify_exception, first_line, oom_request_gib
-from src.handoff import PROGRESS_FILE, RESULT_FILE, RUN_ENV
-
-HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")  # what Hydra saves under <run dir>/.hydra/
+from src import stores
+from src.failures import Failure, classify_exception, first_line, oom_request_gib
+from src.handoff import PROGRESS_FILE, RESULT_FILE
+from src.trial.context import TrialContext, check, describe, open_run
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run one trial and record it; returns the outcome (also written to result.json)."""
     # A password in tracking.uri, a store that cannot be reached or written: one line, before torch or MLflow.
     stores.require(stores.of_trial(cfg))
-    state: dict[str, Any] = {}
-    _mark(state, "python_and_hydra")  # the interpreter (or the fork) and Hydra's composition of the config
+    ctx = TrialContext()
+    ctx.mark("python_and_hydra")  # the interpreter (or the fork) and Hydra's composition of the config
     out_dir.mkdir(parents=True, exist_ok=True)
-    client, run_id = open_run(cfg)
+    ctx.client, ctx.run_id = open_run(cfg)
     launch_blocking = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
-    state.update(client=client, run_id=run_id)
-    _mark(state, "python_and_mlflow")
+    ctx.mark("python_and_mlflow")
     failure: Failure | None = None
     try:
-        if not client.get_run(run_id).data.params:  # a re-run (CUDA_LAUNCH_BLOCKING) keeps the first's
-            tracking.log_params(client, run_id, tracking.params(to_container(cfg)))
-            log_config(client, run_id, cfg, out_dir)
-        _mark(state, "log_params")
-        tags = tracking.system_tags()  # imports torch and creates the CUDA context (device properties)
-        _mark(state, "torch_and_cuda")
-        tracking.set_tags(client, run_id, {**tags, "model.name": cfg.model.name})
-        train(cfg, out_dir, state)
+        describe(cfg, ctx, out_dir)
+        train(cfg, out_dir, ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits
-        failure = failure_of(exc, state.get("meas"))
-        name = "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt"
-        tracking.log_text(client, run_id, traceback.format_exc(), name)
-    return record(cfg, out_dir, state, failure)
+        failure = failure_of(exc, ctx.meas)
+        ctx.log_text(traceback.format_exc(), "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt")
+    return record(cfg, out_dir, ctx, failure)
 
 
-def open_run(cfg: DictConfig) -> tuple[Any, str]:
-    """The run the engine created for this trial (handoff.RUN_ENV), or a new one for a single trial."""
-    from mlflow.tracking import MlflowClient
-
-    tracking.setup(cfg.tracking.uri)
-    client = MlflowClient()
-    run_id = os.environ.get(RUN_ENV)
-    if run_id:
-        client.update_run(run_id, status="RUNNING")
-    else:
-        exp = tracking.experiment_id(cfg.tracking.experiment, str(Path(cfg.paths.mlruns_dir) / "artifacts"))
-        run_id = client.create_run(exp, tags={"mlflow.runName": f"{cfg.model.name}-trial"}).info.run_id
-    return client, run_id
-
-
-def log_config(client: Any, run_id: str, cfg: DictConfig, out_dir: Path) -> None:
-    """The trial's composed config as artifacts `config/<name>`, so a run alone says how to repeat it: the files
-    Hydra saved under `<out_dir>/.hydra/` (already redacted by src.redact's callback), else the config itself."""
-    for name in HYDRA_FILES:
-        saved = out_dir / ".hydra" / name
-        if saved.exists():
-            text = saved.read_text()
-        elif name == "config.yaml":  # composed without Hydra's run dir: unresolved, as Hydra would have saved it
-            text = OmegaConf.to_yaml(cfg)
-        else:
-            continue
-        tracking.log_text(client, run_id, text, f"config/{name}")  # redacted again
-
-
-def train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
+def train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     """Preflight, load the 4-bit model, attach LoRA and train it with SFTTrainer within the memory budget, logging
-    to `state`'s run. What was built (measurements, trainer, probes) stays in `state` for the outcome, even when
-    this raises."""
+    to `ctx`'s run. What was built (measurements, trainer, probes) stays in `ctx` for the outcome, even when this
+    raises."""
     from trl import SFTTrainer  # noqa: F401 - imports transformers, peft, accelerate: the `libraries` phase
 
     from src.measure import Measurements
     from src.measure.memory import budget
 
-    _mark(state, "libraries")
+    ctx.mark("libraries")
     if cfg.measure.profile_startup:  # where the start-up goes, function by function (startup_profile.txt)
         import cProfile
 
-        state["startup_profiler"] = cProfile.Profile()
-        state["startup_profiler"].enable()
-    client, run_id = state["client"], state["run_id"]
+        ctx.startup_profiler = cProfile.Profile()
+        ctx.startup_profiler.enable()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # The watchdog reads the trial's progress file; in a data-parallel trial rank 0 writes it.
-    progress = out_dir / PROGRESS_FILE if int(os.environ.get("RANK", "0")) == 0 else state["rank_dir"] / PROGRESS_FILE
-    state["meas"] = Measurements(cfg, progress, world_size=world_size)
-    _preflight(cfg, client, run_id)
-    _mark(state, "preflight")
+    progress = out_dir / PROGRESS_FILE if int(os.environ.get("RANK", "0")) == 0 else ctx.rank_dir / PROGRESS_FILE
+    ctx.meas = Measurements(cfg, progress, world_size=world_size)
+    check(cfg, ctx)
+    ctx.mark("preflight")
     # On a GPU the allocator's cap; on a CPU the process's own memory, lifted when training ends (src/measure/memory.py)
-    with budget(cfg.hardware.vram_budget_gib, state["meas"]) as facts:
-        state["budget"] = facts
-        _mark(state, "budget_cap")
-        _train(cfg, out_dir, state)
+    with budget(cfg.hardware.vram_budget_gib, ctx.meas) as facts:
+        ctx.budget = facts
+        ctx.mark("budget_cap")
+        _train(cfg, out_dir, ctx)
 
 
-def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
+def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     """`train` within the memory budget: the model, LoRA, the data, the trainer, training and the adapter."""
     import torch
     from hydra.utils import instantiate
@@ -122,16 +82,15 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
     from src.config import sft_kwargs
     from src.measure import progress
 
-    client, run_id = state["client"], state["run_id"]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model, tokenizer = models.load(cfg)
-    _mark(state, "model_load")
+    ctx.mark("model_load")
     model = preflight.guard_device_moves(model)  # a 4-bit / dispatched model must never be moved with .to()
     model = models.prepare_for_kbit_training(model, cfg)
-    _mark(state, "kbit_prepare")
+    ctx.mark("kbit_prepare")
     dataset, stats = _dataset(cfg, tokenizer, world_size=world_size)
-    tracking.log_metrics(client, run_id, stats)
-    _mark(state, "dataset")
+    ctx.log_metrics(stats)
+    ctx.mark("dataset")
     model = models.attach_lora(model, instantiate(cfg.lora, _convert_="all"))
     trainer = SFTTrainer(  # trl casts the adapters to bf16 on a 4-bit base, as it does with a peft_config
         model=model,
@@ -139,60 +98,44 @@ def _train(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> None:
         train_dataset=dataset,
         processing_class=tokenizer,
     )
-    for callback in _callbacks(cfg, out_dir, state):
+    for callback in _callbacks(cfg, out_dir, ctx):
         trainer.add_callback(callback)
-    progress.install(trainer, state["meas"])  # one bar on a terminal; the per-step dicts to the log file
+    progress.install(trainer, ctx.meas)  # one bar on a terminal; the per-step dicts to the log file
     if cfg.trainer.torch_compile == "layers":
         models.compile_layers(trainer.model)  # compiles in the first steps (first_step_s), not here
-    state["trainer"] = trainer
-    _mark(state, "trainer_init")
-    if state.get("startup_profiler") is not None:
-        state["startup_profiler"].disable()
-        text = _profile_text(state["startup_profiler"])
+    ctx.trainer = trainer
+    ctx.mark("trainer_init")
+    if ctx.startup_profiler is not None:
+        ctx.startup_profiler.disable()
+        text = _profile_text(ctx.startup_profiler)
         (out_dir / "startup_profile.txt").write_text(text)
-        tracking.log_text(client, run_id, text, "startup_profile.txt")
+        ctx.log_text(text, "startup_profile.txt")
     with models.attention_kernels(cfg):
         trainer.train()
-    if state.get("profiler") is not None and state["profiler"].text:
-        tracking.log_text(client, run_id, state["profiler"].text, "profile.txt")
+    if ctx.profiler is not None and ctx.profiler.text:
+        ctx.log_text(ctx.profiler.text, "profile.txt")
     if cfg.trainer.save_adapter:
         adapter = out_dir / "adapter"
         trainer.model.save_pretrained(adapter)
-        client.log_artifacts(run_id, str(adapter), "adapter")
+        ctx.log_artifacts(adapter, "adapter")
 
 
-def _preflight(cfg: DictConfig, client: Any, run_id: str) -> None:
-    """Refuse a trial before any GPU work (ConfigError, DataError); the run keeps what preflight found either way."""
-    from src import preflight
-
-    try:
-        report = preflight.run(cfg)
-    except (ConfigError, DataError) as exc:
-        found = getattr(exc, "report", None)  # none when the data could not even be read
-        if found is not None:
-            tracking.log_text(client, run_id, found.to_text(), "preflight.txt")
-            tracking.set_tags(client, run_id, found.tags())
-        raise
-    tracking.log_text(client, run_id, report.to_text(), "preflight.txt")
-    tracking.set_tags(client, run_id, report.tags())
-
-
-def _callbacks(cfg: DictConfig, out_dir: Path, state: dict[str, Any]) -> list[Any]:
-    """The trainer's callbacks, in the order the trainer calls them; the probes are also kept in `state`."""
+def _callbacks(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> list[Any]:
+    """The trainer's callbacks, in the order the trainer calls them; the probes are also kept in `ctx`."""
     from src import preflight
     from src.faults import FaultInjector
     from src.measure import AttentionProbe, StepProfiler
 
-    probe = state["attention"] = AttentionProbe(at_step=max(1, cfg.measure.warmup_steps))
+    probe = ctx.attention = AttentionProbe(at_step=max(1, cfg.measure.warmup_steps))
     guards = preflight.CheckpointingGuard(cfg.trainer.gradient_checkpointing)
-    callbacks = [probe, state["meas"], guards, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)]
+    callbacks = [probe, ctx.meas, guards, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)]
     if cfg.measure.get("soak_minutes") is not None:  # a soak (src/sweep/soak.py): an epoch and the minutes, then stop
         from src.measure.soak import SoakStop
 
         callbacks.append(SoakStop(float(cfg.measure.soak_minutes)))
     if cfg.measure.profile_step:
-        state["profiler"] = StepProfiler(cfg.measure.profile_step, out_dir / "profile.txt")
-        callbacks.insert(1, state["profiler"])
+        ctx.profiler = StepProfiler(cfg.measure.profile_step, out_dir / "profile.txt")
+        callbacks.insert(1, ctx.profiler)
     return callbacks
 
 
@@ -220,18 +163,6 @@ def _dataset(cfg: DictConfig, tokenizer: Any, world_size: int) -> tuple[Any, dic
     return Dataset.from_dict({"messages": chats}), stats
 
 
-def _mark(state: dict[str, Any], phase: str) -> None:
-    """End a start-up phase: its duration in seconds, since the previous phase ended (the first: since the trial's
-    launch), as the metric `startup.<phase>_s`. The phases add up to the start-up so far; `startup_s` is the whole
-    start-up, launch to first step, and `startup.train_begin_s` (set by `record`) what the trainer did before it."""
-    from src.measure import trial_started
-
-    now = time.time() - trial_started()
-    phases = state.setdefault("phases", {})
-    phases[f"startup.{phase}_s"] = now - state.get("phases_end_s", 0.0)
-    state["phases_end_s"] = now
-
-
 def _profile_text(profiler: Any, limit: int = 40) -> str:
     import io
     import pstats
@@ -257,23 +188,22 @@ def failure_of(exc: BaseException, meas: Any, rank: int | None = None) -> Failur
     return Failure(kind, first_line(f"{type(exc).__name__}: {exc}"), step, rank)
 
 
-def record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Failure | None) -> dict[str, Any]:
+def record(cfg: DictConfig, out_dir: Path, ctx: TrialContext, failure: Failure | None) -> dict[str, Any]:
     """Log what was measured and the outcome's tags, write result.json, and end the run FINISHED or FAILED."""
-    client, run_id = state["client"], state["run_id"]
-    meas = state.get("meas")
+    meas = ctx.meas
     budget = float(cfg.hardware.vram_budget_gib)
     try:
-        metrics: dict[str, float] = meas.summary() if meas else dict(state.get("metrics", {}))
+        metrics: dict[str, float] = meas.summary() if meas else dict(ctx.metrics)
     except Exception as exc:  # a measurement bug must not lose the trial's outcome
-        tracking.log_text(client, run_id, traceback.format_exc(), "measurement_error.txt")
+        ctx.log_text(traceback.format_exc(), "measurement_error.txt")
         metrics = {}
         if failure is None:
             failure = Failure("other", first_line(f"measurement failed: {type(exc).__name__}: {exc}"))
     metrics["vram_budget_gib"] = budget
-    metrics.update(state.get("budget", {}))
-    metrics.update(state.get("phases", {}))
-    if meas is not None and meas.startup_s is not None and "phases_end_s" in state:
-        metrics["startup.train_begin_s"] = meas.startup_s - state["phases_end_s"]  # optimizer, dataloader, hooks
+    metrics.update(ctx.budget)
+    metrics.update(ctx.phases)
+    if meas is not None and meas.startup_s is not None and ctx.phases_end_s is not None:
+        metrics["startup.train_begin_s"] = meas.startup_s - ctx.phases_end_s  # optimizer, dataloader, hooks
     if failure and failure.kind == "oom":
         requested = oom_request_gib(failure.message)
         if requested is not None:
@@ -282,19 +212,17 @@ def record(cfg: DictConfig, out_dir: Path, state: dict[str, Any], failure: Failu
         # An OOM's headroom is from what it needed at least (held at the failure plus the allocation refused): < 0
         needed = metrics["peak_vram_reserved_gib"] + metrics.get("oom_request_gib", 0.0)
         metrics["vram_headroom_frac"] = 1.0 - needed / budget
-    tracking.log_metrics(client, run_id, metrics)
+    ctx.log_metrics(metrics)
     if meas:
-        _log_series(client, run_id, meas)
+        _log_series(ctx.client, ctx.run_id, meas)
     status = "failed" if failure else "ok"
     tags: dict[str, Any] = rec.outcome_tags(status, failure.as_dict() if failure else None)
-    if "attention" in state:
-        tags[rec.ATTENTION_KERNEL] = state["attention"].tag
-    elif state.get("attention_tag"):
-        tags[rec.ATTENTION_KERNEL] = state["attention_tag"]
-    tracking.set_tags(client, run_id, tags)
-    result = rec.result_of(status, run_id, metrics, failure, tags.get(rec.ATTENTION_KERNEL))
+    if ctx.kernel():
+        tags[rec.ATTENTION_KERNEL] = ctx.kernel()
+    ctx.set_tags(tags)
+    result = rec.result_of(status, ctx.run_id, metrics, failure, tags.get(rec.ATTENTION_KERNEL))
     (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
-    client.set_terminated(run_id, "FAILED" if failure else "FINISHED")
+    ctx.client.set_terminated(ctx.run_id, "FAILED" if failure else "FINISHED")
     return result
 
 
