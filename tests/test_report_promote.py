@@ -312,6 +312,7 @@ def test_two_promotions_at_once_register_the_run_once(
     one registers the trial, the other finds the alias already on its run (#30.16: versions 4 and 5 of one run)."""
     import threading
     import time
+    import traceback
 
     import src.promote.__main__ as promote_main
 
@@ -337,16 +338,20 @@ def test_two_promotions_at_once_register_the_run_once(
 
     monkeypatch.setattr(promote_main, "registry_state", slow_state)
     argv = [STUDY, "--trial", str(row.number), "--allow-unsoaked"]
-    codes: list[int] = []
-    both = [
-        threading.Thread(target=lambda f=f: codes.append(promote.main([*argv, "--experiment-file", str(f)])))
-        for f in (tmp_path / "a.yaml", tmp_path / "b.yaml")
-    ]
+    codes: list[int | str] = []
+
+    def promote_into(path: Path) -> None:
+        try:
+            codes.append(promote.main([*argv, "--experiment-file", str(path)]))
+        except BaseException:  # said in the assertion below, not lost in a thread
+            codes.append(traceback.format_exc())
+
+    both = [threading.Thread(target=promote_into, args=(f,)) for f in (tmp_path / "a.yaml", tmp_path / "b.yaml")]
     for t in both:
         t.start()
     for t in both:
         t.join()
-    assert codes == [0, 0]
+    assert codes == [0, 0], "\n".join(map(str, codes))
     after, production = _registry(client)
     new = [v for v in after if v not in before]
     assert [run for _, run in new] == [row.run_id], "one new version of the run, not two"
