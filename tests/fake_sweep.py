@@ -30,6 +30,7 @@ def trial(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbea
 
     from src import tracking
     from src.handoff import RESULT_FILE, RUN_ENV, TRIAL_ENV
+    from src.record import STOPPED_WHILE
     from src.sweep.process import Outcome
     from src.sweep.stop import stopping
 
@@ -39,7 +40,7 @@ def trial(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbea
         os.kill(os.getpid(), signal.SIGTERM)
         assert stopping.wait(30), "the signal stops the sweep"
         stopping.count_stopped()  # as src/sweep/process.py records a process it ended for the stop
-        failure = {"kind": "killed", "message": f"{stopping.reason} while this trial ran", "step": None}
+        failure = {"kind": "killed", "message": f"{stopping.reason}{STOPPED_WHILE}", "step": None}
         return Outcome("failed", failure=failure, recorded=False, log_dir=log_dir)
     number = int(label.removeprefix("soak-"))
     metrics = {"tokens_per_s": 100.0 + number, "peak_vram_reserved_gib": 8.0, "vram_budget_gib": 24.0}

@@ -96,6 +96,9 @@ class StudyStore:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names(list(objectives))
             study.set_user_attr("sweep.constraints", list(CONSTRAINTS))
+            if self.sweeper.retry_failed_trials:  # what an earlier run's kill -9 or Ctrl-C ended runs again
+                for trial in self.killed_not_retried(study):
+                    self._retry(study, trial)
         self.study_id = self.storage.get_study_id_from_name(self.study_name)
         if sampler_cfg and sampler_cfg.get("seed") is not None:
             # Processes of one study seeded alike would propose the same points: each process that joins
@@ -242,8 +245,27 @@ class StudyStore:
 
     def _requeue(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if self.sweeper.retry_failed_trials:
-            study.enqueue_trial(trial.params, user_attrs={record.RETRY_OF: trial.number})
+            self._retry(study, trial)
         log.warning("trial %d was left running by a dead worker: failed (killed)", trial.number)
+
+    def killed_not_retried(self, study: optuna.Study) -> list[FrozenTrial]:
+        """Trials their sweep killed (a dead worker, the sweep's stop: record.killed_by_sweep) that no trial retries
+        yet: each counts toward `n_trials` as a failure that says nothing of its setting."""
+        trials = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        retried = retried_numbers(study.get_trials(deepcopy=False))
+        return [t for t in trials if t.number not in retried and record.killed_by_sweep(t)]
+
+    def _retry(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Queue `trial`'s setting again (`retry_failed_trials`), as what it was queued as: the recipe, a lever or a
+        recommendation keeps its mark and its overrides; the retry counts toward `n_trials`, the trial no more."""
+        params = {k: v for k, v in trial.params.items() if k not in (record.LEVER_PARAM, record.RECOMMEND_PARAM)}
+        kept = {k: trial.user_attrs[k] for k in _QUEUED_AS if k in trial.user_attrs}
+        study.enqueue_trial(params, user_attrs={**kept, record.RETRY_OF: trial.number})
+        log.warning("trial %d (killed by its sweep) queued again (hydra.sweeper.retry_failed_trials)", trial.number)
+
+
+# What a queued trial was queued as, kept by its retry
+_QUEUED_AS = (record.RECIPE, record.LEVER, record.LEVER_OF, record.RECOMMENDED)
 
 
 def lock_key(study_name: str) -> int:
