@@ -136,6 +136,44 @@ def test_a_full_disk_stops_the_sweep_with_one_line_and_the_resume_keeps_what_was
     _assert_told_what_it_measured(root, "full", mlflow_client)
 
 
+@pytest.mark.parametrize("full", ["mlflow_full", "everything_full"])
+def test_a_full_disk_under_mlflow_says_one_line_keeps_the_tracebacks_in_the_study_log_and_leaves_nothing_running(
+    root: Path, mlflow_client, full: str
+) -> None:
+    """Issue 30, 21: a real full disk under the MLflow store made MLflow log each failed write with its traceback, 180
+    lines on the terminal before the sweep's one line. Now they go to sweeps/<study>/sweep.log and the terminal gets
+    the one line, naming the store, the file and what to do. A trial that was running on the other slot is ended by
+    the stop; its records, where the stores could not take them, are settled by the resume: nothing stays RUNNING."""
+    from tests.fake_sweep import HOLD_ENV
+
+    env = {FAULT_ENV: f"{full}@1", HOLD_ENV: "0"}
+    first = run_cli(
+        "tests.fake_sweep", "hydra.sweeper.study_name=full", "hydra.sweeper.n_trials=3", "hydra.sweeper.cpu_slots=2",
+        root=root, timeout=300, env=env,
+    )  # fmt: skip
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr and "OperationalError" not in first.stderr, first.stderr[-3000:]
+    lines = [line for line in first.stderr.splitlines() if line.strip()]
+    log = root / "sweeps" / "full" / "sweep.log"
+    said = [line for line in lines if line.startswith("sweep stopped")]
+    stores = (f"the MLflow store sqlite:///{root}/mlruns/mlflow.db", f"the Optuna storage sqlite:///{root}/sweeps/full")
+    assert len(said) == 1 and any(f"disk full: {store}" in said[0] for store in stores), lines
+    assert f"are in {log}; free space, then run the same command again to resume" in said[0], said
+    assert len(lines) <= 3, lines
+    kept = log.read_text()
+    assert "Traceback" in kept and "database or disk is full" in kept and "ERROR mlflow" in kept
+
+    again = run_cli("tests.fake_sweep", "hydra.sweeper.study_name=full", "hydra.sweeper.n_trials=3", root=root)
+    assert again.returncode == 0, again.stderr[-3000:]
+    trials = _study(root, "full").get_trials()
+    assert not [t.number for t in trials if not t.state.is_finished()]
+    assert trials[0].state == TrialState.FAIL and trials[0].user_attrs["failure.kind"] == "killed"
+    runs = _runs(mlflow_client, "full")
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    held = next(r for r in runs if r.data.tags.get("optuna.trial") == "0")
+    assert held.info.status == "KILLED" and held.data.tags["failure.kind"] == "killed"
+
+
 def test_the_tracking_server_dying_stops_the_sweep_with_one_line_within_a_minute(root: Path, tmp_path: Path) -> None:
     """The MLflow server killed once a trial ran (issue #30, 15): the engine's calls fail fast (bounded retries, not
     MLflow's ~4 minutes of backoff), and the sweep stops as for a full disk: one line naming the store, exit 1,

@@ -58,7 +58,7 @@ from src.sweep.rules import LaunchRules
 from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
 from src.sweep.space import SpaceError, sweep_space
-from src.sweep.stop import on_signals, stopping, store_trouble
+from src.sweep.stop import logged_to, on_signals, stopping, store_trouble
 from src.sweep.storage import StudyStore, worker_identity
 from src.sweep.tally import Tally
 from src.sweep.teller import Teller
@@ -147,7 +147,7 @@ class SweepEngine:
         exit (128 + the signal, or 1)."""
         stopping.clear()
         try:
-            with on_signals():
+            with on_signals(), logged_to(self.study_dir):  # the stores' libraries log to sweeps/<study>/sweep.log
                 self.sweep()
         except KeyboardInterrupt:  # before the workers started, or again while they recorded their trials
             stopping.interrupted()
