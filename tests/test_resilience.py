@@ -158,7 +158,7 @@ def test_a_full_disk_under_mlflow_says_one_line_keeps_the_tracebacks_in_the_stud
     said = [line for line in lines if line.startswith("sweep stopped")]
     stores = (f"the MLflow store sqlite:///{root}/mlruns/mlflow.db", f"the Optuna storage sqlite:///{root}/sweeps/full")
     assert len(said) == 1 and any(f"disk full: {store}" in said[0] for store in stores), lines
-    assert f"are in {log}; free space, then run the same command again to resume" in said[0], said
+    assert f"; tracebacks in {log}; free space, then run the same command again to resume" in said[0], said
     assert len(lines) <= 3, lines
     kept = log.read_text()
     assert "Traceback" in kept and "database or disk is full" in kept and "ERROR mlflow" in kept

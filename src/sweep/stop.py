@@ -38,7 +38,7 @@ class Stop:
         self.signal: int | None = None  # the signal that came, if one did
         self.stopped = 0  # trial processes ended for it
         self.patient = False  # workers run: a signal sets the flag, a second one raises (see workers_running)
-        self.log: Path | None = None  # the study's log file, once it holds the stores' errors (see logged_to)
+        self.log: Path | None = None  # the study's log file, once it holds an error or a traceback (see logged_to)
 
     def request(self, reason: str, exit_code: int, advice: str = RESUME) -> None:
         """Stop the sweep; the first reason stands (a full disk seen by every worker is one stop)."""
@@ -88,7 +88,7 @@ class Stop:
         command = ""
         if sys.argv and sys.argv[0].endswith(os.path.join("src", "train.py")):
             command = ": " + redact_text(shlex.join(["python", "-m", "src.train", *sys.argv[1:]]))
-        logged = f"; the stores' errors, with their tracebacks, are in {self.log}" if self.log else ""
+        logged = f"; tracebacks in {self.log}" if self.log else ""
         return f"{self.reason}{trials}{logged}; {self.advice}{command}"
 
 
