@@ -158,3 +158,25 @@ def test_report_and_promote_refuse_a_study_name_that_leaves_the_sweeps_folder(
         with pytest.raises(SystemExit) as exit_:
             main(["../../etc"])
         assert exit_.value.code == 2 and "study='../../etc': a study's name is one word" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argument,message",
+    [
+        ("cluster.workers=0", "error: cluster.workers=0: must be at least 1"),
+        ("cluster.executor=bogus", "error: cluster.executor=bogus: must be one of slurm, local, debug"),
+        ("cluster.workers=abc", "error: cluster.workers=abc: Value 'abc' of type 'str' could not be converted"),
+        ("lora.r=abc", "error: lora.r=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    ],
+)
+def test_bad_cluster_values_are_refused_in_one_line_before_anything_is_submitted(
+    root: Path, argument: str, message: str
+) -> None:
+    """`python -m src.cluster`: workers=0 submitted nothing and said so as a success; an unknown executor, a value of
+    the wrong type (of the cluster or of the sweep) ended in submitit's or Hydra's traceback (#30.21)."""
+    from src.cluster import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["cluster=local", argument, "hydra.sweeper.study_name=values"])
+    assert str(refused.value.code).startswith(message) and "\n" not in str(refused.value.code)
+    assert not (root / "sweeps").exists()
