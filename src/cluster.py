@@ -77,15 +77,56 @@ def load_cluster(name: str, overrides: list[str]) -> ClusterConfig:
         options = ", ".join(sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
         raise SystemExit(f"cluster={name}: no conf/cluster/{name}.yaml; options: {options}")
     ConfigStore.instance().store(name="cluster_schema", node=ClusterConfig)
-    return OmegaConf.to_object(compose(overrides, config_dir=CLUSTER_DIR, config_name=name))
+    try:
+        cluster = OmegaConf.to_object(compose(overrides, config_dir=CLUSTER_DIR, config_name=name))
+    except Exception as exc:  # Hydra's ConfigCompositionException: a page of traceback, the key without `cluster.`
+        raise SystemExit(f"error: {_composition_error(exc, 'cluster')}") from None
+    check_cluster(cluster)
+    return cluster
+
+
+# What submitit runs the workers on: SLURM, processes on this machine, or in this process (debugging)
+EXECUTORS = ("slurm", "local", "debug")
+
+
+def check_cluster(cluster: ClusterConfig) -> None:
+    """Every cluster value checked by range, naming the key, before anything is submitted (workers=0 submitted
+    nothing and said so as a success; an unknown executor was submitit's traceback)."""
+    ranges = {
+        "workers": (cluster.workers >= 1, "at least 1"),
+        "timeout_min": (cluster.timeout_min >= 1, "minutes, at least 1"),
+        "gpus_per_node": (cluster.gpus_per_node >= 0, "at least 0"),
+        "cpus_per_task": (cluster.cpus_per_task >= 1, "at least 1"),
+        "mem_gb": (cluster.mem_gb is None or cluster.mem_gb > 0, "GB, more than 0 (or null: the scheduler's default)"),
+        "executor": (cluster.executor in EXECUTORS, f"one of {', '.join(EXECUTORS)}"),
+    }
+    for key, (ok, what) in ranges.items():
+        if not ok:
+            raise SystemExit(f"error: cluster.{key}={getattr(cluster, key)}: must be {what}")
+
+
+def _composition_error(exc: BaseException, group: str = "") -> str:
+    """Hydra's composition error in one line, what its cause says (the value and the type) included; `group`
+    ("cluster") is the prefix of the keys the overrides set."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    cause = exc.__cause__
+    why = [line.strip() for line in str(cause).splitlines() if line.strip()][:1] if cause else []
+    if lines and lines[0].startswith("Error merging override "):
+        override = lines[0].removeprefix("Error merging override ")
+        text = f"{group}.{override}" if group else override
+        return redact.redact_text(f"{text}: {'; '.join(why)}")
+    return redact.redact_text((f"{group}: " if group else "") + " ".join([*lines[:2], *why]))
 
 
 def sweep_config(sweep_args: list[str]) -> Any:
     """The sweep's config as each worker will compose it (sweep ranges left out): the study, its storage, the
     tracking URI, checked here before anything is submitted."""
-    parser = OverridesParser.create()
-    plain = [o.input_line for o in parser.parse_overrides(sweep_args) if not o.is_sweep_override()]
-    return compose(["hydra/sweeper=optuna", *plain], hydra_config=True)
+    try:
+        parser = OverridesParser.create()
+        plain = [o.input_line for o in parser.parse_overrides(sweep_args) if not o.is_sweep_override()]
+        return compose(["hydra/sweeper=optuna", *plain], hydra_config=True)
+    except Exception as exc:  # a sweep argument Hydra refuses: one line, as `python -m src.train` prints it
+        raise SystemExit(f"error: {_composition_error(exc)}") from None
 
 
 class SweepWorker(submitit.helpers.Checkpointable):

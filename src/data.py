@@ -8,165 +8,15 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from src.failures import DataError
-
-# Cells are read as text, as written: `NA`, `null` or `None` in a cell is a sentence or an answer (`null` is valid
-# JSON), not a missing value; only a cell with nothing in it is empty (preflight reports those).
-READERS = {
-    ".xlsx": lambda p, sheet: pd.read_excel(p, sheet_name=sheet or 0, dtype=str, na_filter=False),
-    ".xls": lambda p, sheet: pd.read_excel(p, sheet_name=sheet or 0, dtype=str, na_filter=False),
-    ".csv": lambda p, sheet: pd.read_csv(p, dtype=str, keep_default_na=False, na_filter=False),
-    ".jsonl": lambda p, sheet: read_jsonl(p),
-    ".parquet": lambda p, sheet: pd.read_parquet(p),
-}
-EXCEL = (".xlsx", ".xls")
-FORMATS = "xlsx|csv|jsonl|parquet"
-
-
-def load_table(data_cfg: Any) -> pd.DataFrame:
-    """Read the data file; a missing file, unknown format or missing column names the key to fix."""
-    max_rows = data_cfg.get("max_rows")
-    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
-        # 0 read as "no limit" and -1 as "all but the last row" (pandas' head)
-        raise DataError(f"data.max_rows={max_rows}: must be at least 1 (or null: every row)")
-    path = Path(data_cfg.path)
-    if path.is_dir():
-        raise DataError(_a_directory(path))
-    if not path.is_file():
-        raise DataError(f"data.path: file not found: {path} (set data.path=/path/to/file.{FORMATS})")
-    reader = READERS.get(path.suffix.lower())
-    if reader is None:
-        raise DataError(f"data.path: unsupported format '{path.suffix}' for {path}; use one of {sorted(READERS)}")
-    sheets = _sheet_names(path, data_cfg.sheet) if path.suffix.lower() in EXCEL else []
-    try:
-        df = reader(path, data_cfg.sheet)
-    except DataError:
-        raise
-    except UnicodeDecodeError as exc:
-        raise DataError(not_utf8(path, exc)) from None
-    except Exception as exc:  # a corrupt file is a data problem, whatever the parser raised
-        raise DataError(f"data.path: cannot read {path}: {exc}") from exc
-    for key in ("input_column", "output_column"):
-        column = data_cfg[key]
-        if column not in df.columns:
-            raise DataError(_missing_column(data_cfg, key, path, list(df.columns), sheets))
-    if data_cfg.max_rows:
-        df = df.head(data_cfg.max_rows)
-    # Row numbers as a person sees them in the sheet (header is row 1).
-    df.index = pd.RangeIndex(2, len(df) + 2, name="row")
-    return df
-
-
-def not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
-    """What a file that is not UTF-8 gets: where its first byte that is not (line as an editor counts, byte offset
-    in the file), and how to re-save it. The file is read again in blocks to find it: the parser's own position is
-    one of its buffer's."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset, line, shown = 0, 1, ""
-    with path.open("rb") as f:
-        while True:
-            block = f.read(1 << 20)
-            kept = len(decoder.getstate()[0])  # the previous block's unfinished character, decoded with this one
-            try:
-                decoder.decode(block, final=not block)
-            except UnicodeDecodeError as bad:
-                at = offset - kept + bad.start
-                line += block[: max(0, at - offset)].count(b"\n")
-                offset = at
-                f.seek(at)
-                shown = f" (0x{f.read(1)[0]:02x})"
-                break
-            if not block:  # no byte it cannot read (not expected: the parser found one)
-                offset = exc.start
-                break
-            offset += len(block)
-            line += block.count(b"\n")
-    spreadsheet = "a spreadsheet's Save As, CSV UTF-8, or " if path.suffix.lower() == ".csv" else ""
-    return (
-        f"data.path: {path} is not UTF-8: line {line}, byte {offset}{shown} is not a UTF-8 character ({exc.reason}); "
-        f"re-save the file as UTF-8 ({spreadsheet}`iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}` "
-        "for a Latin-1 / Windows file)"
-    )
-
-
-def read_jsonl(path: Path) -> pd.DataFrame:
-    """One JSON object per line. A line that is not one is named by its number, as an editor shows it (pandas
-    gives a byte position). A JSON null is a missing cell; the text "null" is text."""
-    records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"data.path: line {number} of {path.name}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{where} is not valid JSON ({exc.msg}, column {exc.colno}): {line.strip()[:120]}"
-                ) from None
-            if not isinstance(record, dict):
-                kind = _JSON_TYPES.get(type(record), type(record).__name__)
-                raise DataError(f"{where} is a JSON {kind}, not an object of column: value: {line.strip()[:120]}")
-            records.append(record)
-    return pd.DataFrame.from_records(records)
-
-
-_JSON_TYPES = {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
-
-
-def _a_directory(path: Path) -> str:
-    found = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in READERS)
-    if not found:
-        kinds = [suffix.lstrip(".") for suffix in READERS]
-        return (
-            f"data.path: {path} is a directory with no {', '.join(kinds[:-1])} or {kinds[-1]} file in it; "
-            f"set data.path=/path/to/file.{FORMATS}"
-        )
-    shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
-    return f"data.path: {path} is a directory, not a data file; it holds {shown}: set data.path={path / found[0]}"
-
-
-def _sheet_names(path: Path, sheet: str | None) -> list[str]:
-    """The workbook's sheets; a data.sheet that is not one of them is refused by name."""
-    try:
-        with pd.ExcelFile(path) as book:
-            names = [str(n) for n in book.sheet_names]
-    except Exception:  # unreadable: the reader's own error says why
-        return []
-    if sheet is not None and sheet not in names:
-        listed = ", ".join(repr(n) for n in names)
-        raise DataError(
-            f"data.sheet: {path.name} has no sheet '{sheet}' (its sheets: {listed}); set data.sheet=<one of them>"
-        )
-    return names
-
-
-def _missing_column(data_cfg: Any, key: str, path: Path, columns: list[str], sheets: list[str]) -> str:
-    """A column that is not there; in a workbook, the sheets that do hold the columns."""
-    column = data_cfg[key]
-    if not sheets:
-        return f"data.{key}: column '{column}' not in {path.name} (columns: {columns}); set data.{key}=<one of them>"
-    read = data_cfg.sheet or sheets[0]
-    where = f"sheet '{read}'" if data_cfg.sheet else f"the first sheet ('{read}')"
-    wanted = {data_cfg.input_column, data_cfg.output_column}
-    with pd.ExcelFile(path) as book:
-        holding = [s for s in sheets if s != read and wanted <= set(book.parse(s, nrows=0).columns)]
-    hint = (
-        f"sheet '{holding[0]}' has both columns ('{data_cfg.input_column}', '{data_cfg.output_column}'): "
-        f"set data.sheet={holding[0]}"
-        if holding
-        else f"no sheet holds both (sheets: {', '.join(repr(s) for s in sheets)}); set data.{key}=<one of them>"
-        " or data.sheet=<the sheet with the data>"
-    )
-    return f"data.{key}: column '{column}' is not on {where} of {path.name} (its columns: {columns}); {hint}"
+# The data file's readers live in src/tables.py; callers find them here too, beside the chats they become.
+from src.tables import FORMATS, load_table, read_blocks  # noqa: F401
 
 
 def cell(value: Any) -> str:
@@ -219,6 +69,15 @@ def token_lengths(chats: list[list[dict[str, str]]], tokenizer: Any) -> tuple[np
     if bar is not None:
         bar.close()
     return full, prompts
+
+
+def chat_lengths(blocks: Iterable[pd.DataFrame], data_cfg: Any, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """`token_lengths` of every row of the data, its blocks (src/tables.py `read_blocks`) read and counted one at a
+    time: memory stays that of one block, whatever the data's size."""
+    counted = [token_lengths(to_messages(block, data_cfg), tokenizer) for block in blocks]
+    if not counted:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate([c[0] for c in counted]), np.concatenate([c[1] for c in counted])
 
 
 def truncation(full: np.ndarray, prompt: np.ndarray, max_seq_length: int) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""The one place that silences what libraries say on every trial and sweep when it is harmless and not ours to fix.
+"""The one place that silences what libraries say on every trial and sweep when it is harmless and not ours to fix,
+and that sends what the stores' libraries say during a sweep to the study's log file instead of the terminal.
 
 Each entry names who says it, the versions it was seen with, and why it can be ignored; what we caused ourselves is
 fixed where we cause it instead (checkpointing under its current name: src/config.py, src/models.py). Called first
@@ -10,6 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 # (category, message regex): warnings that every trial would print, each harmless here
 _WARNINGS: tuple[tuple[type[Warning], str], ...] = (
@@ -40,3 +44,63 @@ def install() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for key, value in _ENV.items():
         os.environ.setdefault(key, value)
+
+
+# The stores' libraries: while a sweep runs, everything they log goes to the study's log file, not the terminal. A
+# full disk made MLflow log each failed write with its traceback (mlflow.store.db.utils, ERROR): 180 lines before the
+# sweep's own one line (#30.21); alembic and SQLAlchemy speak for the same stores.
+# MLflow gives "mlflow", "sqlalchemy.engine" and "alembic" handlers of their own when it is imported (mlflow 3.18
+# utils/logging_utils.py `_configure_mlflow_loggers`): import it before `to_file`.
+STORE_LOGGERS = ("mlflow", "alembic", "sqlalchemy", "sqlalchemy.engine")
+
+
+class LogFile(logging.FileHandler):
+    """A log file that never troubles the terminal: opened (its folder made) at its first record, and a record it
+    cannot write (the full disk it may be reporting) dropped instead of logging's "--- Logging error ---" page.
+    `error_records`: records at ERROR or with a traceback that it did write."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, delay=True, encoding="utf-8")
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.setLevel(logging.INFO)
+        self.error_records = 0
+        self._lost = False  # the record being written could not be
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._lost = False
+        try:
+            Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+            super().emit(record)
+        except OSError:
+            self._lost = True
+        if not self._lost and (record.levelno >= logging.ERROR or record.exc_info):
+            self.error_records += 1
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self._lost = True
+
+
+@contextmanager
+def to_file(path: Path) -> Iterator[LogFile]:
+    """While it lasts: the stores' libraries (STORE_LOGGERS) log to `path` only, and this process's own records go
+    there too (besides wherever they went). Their handlers are put back after."""
+    handler = LogFile(path)
+    kept = {}
+    for name in STORE_LOGGERS:
+        logger = logging.getLogger(name)
+        kept[name] = (logger.handlers[:], logger.propagate)
+        logger.handlers, logger.propagate = [handler], False
+    root = logging.getLogger()
+    # A root logger without handlers prints warnings through logging.lastResort, which this file would replace
+    terminal = [logging.lastResort] if not root.handlers and logging.lastResort is not None else []
+    for added in (*terminal, handler):
+        root.addHandler(added)
+    try:
+        yield handler
+    finally:
+        for added in (*terminal, handler):
+            root.removeHandler(added)
+        for name, (handlers, propagate) in kept.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate = handlers, propagate
+        handler.close()

@@ -82,6 +82,9 @@ SOAK_OF_TRIAL = "soak.of_trial"  # on the soak's run
 STALE_KIND = "killed"
 STALE_MESSAGE = "the sweep worker running this trial died"
 DEAD_WORKER = {"kind": STALE_KIND, "message": STALE_MESSAGE, "step": None}
+# How the message of a trial the sweep's stop ended ends (src/sweep/process.py): "<the stop's reason> while this trial
+# ran"
+STOPPED_WHILE = " while this trial ran"
 # Failures the sweep's stop or a watchdog caused: its run is closed KILLED, not FAILED
 KILLED_KINDS = ("killed", "timeout")
 
@@ -217,6 +220,16 @@ def failure_kind(trial: Any) -> str | None:
     if kind is None and trial.state.name == "FAIL":
         return STALE_KIND
     return kind
+
+
+def killed_by_sweep(trial: Any) -> bool:
+    """A FAIL trial that its sweep, not its setting, ended: its worker died (kill -9, a lost node) or the sweep's stop
+    ended it (Ctrl-C, SIGTERM, a full disk). What `hydra.sweeper.retry_failed_trials` queues again; a trial killed
+    by its own doing (a fault, the watchdog) is not."""
+    if trial.state.name != "FAIL" or failure_kind(trial) != STALE_KIND:
+        return False
+    message = trial.user_attrs.get(FAILURE_MESSAGE)
+    return message is None or message == STALE_MESSAGE or str(message).endswith(STOPPED_WHILE)
 
 
 def retried_numbers(trials: Any) -> set[int]:

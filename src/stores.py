@@ -24,6 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from src import redact
 
 PROBE_TIMEOUT_S = 5
+OPTUNA_STORAGE = "the Optuna storage"
+MLFLOW_STORE = "the MLflow tracking store"
 # Database URLs probed with a connection of their own (MLflow's and Optuna's SQL stores); SQLite is a local file.
 _DATABASES = ("postgresql", "mysql", "mssql", "oracle")
 _TAKE_CONNECT_TIMEOUT = ("psycopg", "psycopg2", "pymysql", "mysqldb")  # drivers whose connect() takes the argument
@@ -36,7 +38,7 @@ class StoreError(Exception):
 @dataclass(frozen=True)
 class Store:
     key: str  # what points at it, as the user writes it: "tracking.uri", "--storage"
-    what: str  # "the MLflow tracking store"
+    what: str  # MLFLOW_STORE, OPTUNA_STORAGE, "the MLflow artifacts folder"...
     url: str  # a database or http(s) URL, or a local folder
     raw: str | None = None  # the value as written, before interpolation (what the credential check reads)
     via: str | None = None  # the key it follows when not set itself: "paths.mlruns_dir"
@@ -51,7 +53,7 @@ def of_trial(cfg: DictConfig) -> list[Store]:
     """What a trial records into: the MLflow tracking store, and the artifacts folder beside a local one."""
     raw = str(OmegaConf.to_container(cfg.tracking, resolve=False)["uri"])
     via = "paths.mlruns_dir" if "paths.mlruns_dir" in raw else None
-    found = [Store("tracking.uri", "the MLflow tracking store", str(cfg.tracking.uri), raw, via)]
+    found = [Store("tracking.uri", MLFLOW_STORE, str(cfg.tracking.uri), raw, via)]
     if not found[0].url.startswith(("http://", "https://")):  # a server keeps the artifacts itself
         artifacts = str(Path(cfg.paths.mlruns_dir) / "artifacts")
         found.append(Store("paths.mlruns_dir", "the MLflow artifacts folder", artifacts))
@@ -63,16 +65,16 @@ def of_sweep(cfg: DictConfig, study_dir: Path) -> list[Store]:
     raw = OmegaConf.to_container(cfg.hydra.sweeper, resolve=False)["storage"]
     if raw is None:
         default = f"sqlite:///{(study_dir / 'optuna.db').resolve()}"
-        return [*of_trial(cfg), Store("hydra.sweeper.storage", "the Optuna storage", default, via="paths.sweeps_dir")]
-    storage = Store("hydra.sweeper.storage", "the Optuna storage", str(cfg.hydra.sweeper.storage), str(raw))
+        return [*of_trial(cfg), Store("hydra.sweeper.storage", OPTUNA_STORAGE, default, via="paths.sweeps_dir")]
+    storage = Store("hydra.sweeper.storage", OPTUNA_STORAGE, str(cfg.hydra.sweeper.storage), str(raw))
     return [*of_trial(cfg), storage, Store("paths.sweeps_dir", "the study's folder", str(study_dir))]
 
 
 def of_results(storage: str | None, tracking_uri: str, tracking_key: str, write: bool) -> list[Store]:
     """What `python -m src.report` and `src.promote` read (and write to MLflow, unless `write` is False)."""
-    found = [Store(tracking_key, "the MLflow tracking store", tracking_uri, write=write)]
+    found = [Store(tracking_key, MLFLOW_STORE, tracking_uri, write=write)]
     if storage:
-        found.insert(0, Store("--storage", "the Optuna storage", storage, write=False))
+        found.insert(0, Store("--storage", OPTUNA_STORAGE, storage, write=False))
     return found
 
 
@@ -102,6 +104,13 @@ def _problem(store: Store) -> str | None:
     """What is wrong with one store ("at <url> cannot be reached (Connection refused)..."), or None."""
     url, shown = store.url, redact.redact_text(store.url)
     scheme = url.split("://", 1)[0].split("+", 1)[0].lower() if "://" in url else None
+    if store.what == OPTUNA_STORAGE and (why := _not_a_database(url)):
+        return f"{shown} is not a database URL: {why}; use sqlite:///path/optuna.db or postgresql://user@host/db"
+    if store.what == MLFLOW_STORE and scheme is not None and scheme not in _mlflow_schemes():
+        return (
+            f"{shown}: MLflow knows no store '{scheme}://' (it knows {', '.join(sorted(_mlflow_schemes()))}); "
+            f"use a folder, sqlite:///path/mlflow.db or http://host:5000 for {store.key}"
+        )
     if scheme in ("http", "https") or scheme in _DATABASES:
         why = _unreachable_http(url) if scheme.startswith("http") else _unreachable_database(url)
         return why and f"at {shown} cannot be reached ({why}); nothing was recorded: start it or correct {store.key}"
@@ -115,6 +124,26 @@ def _problem(store: Store) -> str | None:
     else:  # another kind of store (databricks, a plugin's): its own client says what is wrong
         return None
     return why and f"cannot be written: {why}; nothing was recorded: make it writable or point {store.key} elsewhere"
+
+
+def _mlflow_schemes() -> set[str]:
+    """The URI schemes MLflow 3 opens a tracking store for (its own, and those of installed plugins' entry points);
+    another one failed the first MLflow call with a page of traceback."""
+    from importlib.metadata import entry_points
+
+    own = {"file", "http", "https", "databricks", "databricks-uc", "uc", "sqlite", *_DATABASES}
+    return own | {e.name for e in entry_points(group="mlflow.tracking_store")}
+
+
+def _not_a_database(url: str) -> str | None:
+    """Why SQLAlchemy (Optuna's RDB storage) cannot open `url`: a malformed URL, an unknown database or driver."""
+    import sqlalchemy
+
+    try:
+        sqlalchemy.engine.make_url(url).get_dialect()
+    except Exception as exc:  # noqa: BLE001 - ArgumentError, NoSuchModuleError: a page of traceback from Optuna
+        return _reason(exc)
+    return None
 
 
 def _unreachable_http(url: str) -> str | None:

@@ -332,7 +332,7 @@ def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
         run_id=a.get(record.RUN_ID),
         because_of=origin,
         slot=a.get(record.SLOT),
-        recipe=str(a.get(record.RECIPE, "")).lower() == "true",
+        recipe=str(a.get(record.RECIPE, "")).lower() == "true" and not retried,  # its retry is the recipe
         lever=lever,
         recommended=bool(a.get(record.RECOMMENDED)),
     )

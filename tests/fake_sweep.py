@@ -6,9 +6,12 @@ itself and then run it again:
 Each stand-in trial records itself as a real one does (src/trial/single.py: its MLflow run's metrics and tags,
 result.json, then the run ended FINISHED). QLORA_FAKE_FAULT=<fault>@<trial number> strikes once that trial has
 recorded itself, before the engine tells Optuna: `sigkill` or `sigterm` the sweep process, or `disk_full`: every
-write to the Optuna storage fails from then on, as SQLite fails on a full disk; or `server_down`: the MLflow
-server whose process group is QLORA_FAKE_SERVER_PID is killed (the tracking server dying mid-sweep). `sigterm@soak` strikes while a soak
-runs, before it records anything: the stand-in then ends as a watched process ends when the sweep stops.
+write to the Optuna storage fails from then on, as SQLite fails on a full disk (`mlflow_full`: to the MLflow store;
+`everything_full`: to both, through SQLAlchemy, so that MLflow logs each failed write as it does on a real full
+disk); or `server_down`: the MLflow server whose process group is QLORA_FAKE_SERVER_PID is killed (the tracking
+server dying mid-sweep). `sigterm@soak` strikes while a soak runs, before it records anything: the stand-in then ends
+as a watched process ends when the sweep stops; QLORA_FAKE_HOLD=<trial number> makes that trial such a stand-in,
+running until the sweep stops.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 FAULT_ENV = "QLORA_FAKE_FAULT"
+HOLD_ENV = "QLORA_FAKE_HOLD"
 _WRITES = ("set_trial_user_attr", "set_trial_system_attr", "set_trial_state_values", "record_heartbeat")
 
 
@@ -30,16 +34,19 @@ def trial(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbea
 
     from src import tracking
     from src.handoff import RESULT_FILE, RUN_ENV, TRIAL_ENV
+    from src.record import STOPPED_WHILE
     from src.sweep.process import Outcome
     from src.sweep.stop import stopping
 
     label, run_id = env[TRIAL_ENV], env[RUN_ENV]
     fault, _, at = os.environ.get(FAULT_ENV, "").partition("@")
-    if label.startswith("soak-") and (fault, at) == ("sigterm", "soak"):
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stopping.wait(30), "the signal stops the sweep"
+    held = label == os.environ.get(HOLD_ENV)
+    if held or (label.startswith("soak-") and (fault, at) == ("sigterm", "soak")):
+        if not held:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stopping.wait(60), "the sweep stops"
         stopping.count_stopped()  # as src/sweep/process.py records a process it ended for the stop
-        failure = {"kind": "killed", "message": f"{stopping.reason} while this trial ran", "step": None}
+        failure = {"kind": "killed", "message": f"{stopping.reason}{STOPPED_WHILE}", "step": None}
         return Outcome("failed", failure=failure, recorded=False, log_dir=log_dir)
     number = int(label.removeprefix("soak-"))
     metrics = {"tokens_per_s": 100.0 + number, "peak_vram_reserved_gib": 8.0, "vram_budget_gib": 24.0}
@@ -56,6 +63,8 @@ def trial(overrides: list[str], log_dir: Path, env: dict, sweeper: Any, heartbea
             os.kill(os.getpid(), getattr(signal, fault.upper()))
         elif fault == "disk_full":
             _fill_the_disk()
+        elif fault in ("mlflow_full", "everything_full"):
+            _fill_the_disk_under_sqlalchemy(only="mlflow.db" if fault == "mlflow_full" else "")
         elif fault == "server_down":
             _kill_the_server(int(os.environ["QLORA_FAKE_SERVER_PID"]))
     return Outcome("ok", metrics=metrics)
@@ -88,6 +97,20 @@ def _fill_the_disk() -> None:
 
     for name in _WRITES:
         setattr(optuna.storages.RDBStorage, name, full)
+
+
+def _fill_the_disk_under_sqlalchemy(only: str) -> None:
+    """Every write through SQLAlchemy to a SQLite file whose name ends with `only` fails from now on, as SQLite's
+    does on a full disk (the error is raised where the driver would raise it, so MLflow handles and logs it)."""
+    import sqlalchemy
+    from sqlalchemy import event
+
+    def full(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        writes = statement.lstrip().split(None, 1)[0].upper() in ("INSERT", "UPDATE", "DELETE")
+        if writes and str(conn.engine.url.database or "").endswith(only):
+            raise sqlite3.OperationalError("database or disk is full")
+
+    event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", full)
 
 
 def main(overrides: list[str]) -> None:

@@ -1,5 +1,6 @@
 """Bad values are refused by range before any work, each naming its key or flag (#30.20): the sweeper's keys, the
-data's row limit, `src.fit`'s cards and model file, and the margin of `src.report` and `src.promote`."""
+data's row limit, `src.fit`'s cards and model file, and the margin of `src.report` and `src.promote`; and values
+that ended in a raw traceback end in one line naming the key (#30.21)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,46 @@ def test_out_of_range_sweeper_values_are_refused_before_the_sweep_records_anythi
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         SweepEngine(cfg, []).run()
+    assert not (root / "sweeps" / "values").exists() and not (root / "mlruns" / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,arguments,message",
+    [
+        (["hydra.sweeper.direction=[up]"], [], "hydra.sweeper.direction=['up']: 'up' is not maximize or minimize"),
+        (["hydra.sweeper.direction=[maximize,minimize]"], [], "hydra.sweeper.direction has 2 entries for 1 objectives"),
+        (["hydra.sweeper.custom_search_space=nowhere.space"], [], "hydra.sweeper.custom_search_space=nowhere.space: "),
+        (["hydra.sweeper.memory_monotone={lora.r:up}"], [], "hydra.sweeper.memory_monotone.lora.r='up': use one of"),
+        ([], ["lora.r=choice()"], "the sweep's argument 'lora.r=choice()': ValueError while evaluating 'choice()'"),
+        ([], ["lora.r=interval(8,4)"], "the sweep's argument 'lora.r=interval(8,4)': `low <= high` must hold"),
+        (["+hydra.sweeper.params={lora.r:'choice()'}"], [], "hydra.sweeper.params.lora.r=choice(): "),
+        (
+            ["hydra.sweeper.storage=bogus://x"],
+            [],
+            "hydra.sweeper.storage: the Optuna storage bogus://x is not a database",
+        ),
+        (["tracking.uri=bogus://x"], [], "tracking.uri: the MLflow tracking store bogus://x: MLflow knows no store"),
+        (["hydra.sweeper.sampler.seed=-1"], [], "hydra.sweeper.sampler (optuna.samplers.TPESampler): Seed must be"),
+        (["hydra/sweeper/sampler=grid"], ["lora.r=interval(4,8)"], "hydra.sweeper.sampler is a grid, but lora.r is"),
+    ],
+)
+def test_bad_sweep_values_that_ended_in_a_traceback_are_refused_in_one_line_naming_the_key(
+    root: Path, overrides: list[str], arguments: list[str], message: str
+) -> None:
+    """#30.21: each of these ended in a raw traceback of 22-129 lines (Optuna's, Hydra's or SQLAlchemy's own error,
+    or the grid sampler's at the first trial after the study and its parent run were made). Each is now one of the
+    errors the sweeper prints as one line (hydra_plugins: SpaceError, StoreError), naming the key, before anything is
+    recorded."""
+    from src.stores import StoreError
+    from src.sweep.engine import SweepEngine
+    from src.sweep.space import SpaceError
+
+    cfg = compose_cfg(
+        ["hydra/sweeper=optuna", "hydra.sweeper.study_name=values", "hydra.sweeper.preload=false", *overrides]
+    )
+    with pytest.raises((SpaceError, StoreError)) as refused:
+        SweepEngine(cfg, arguments or ["lora.r=choice(8,16)"]).run()
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
     assert not (root / "sweeps" / "values").exists() and not (root / "mlruns" / "mlflow.db").exists()
 
 
@@ -117,3 +158,25 @@ def test_report_and_promote_refuse_a_study_name_that_leaves_the_sweeps_folder(
         with pytest.raises(SystemExit) as exit_:
             main(["../../etc"])
         assert exit_.value.code == 2 and "study='../../etc': a study's name is one word" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argument,message",
+    [
+        ("cluster.workers=0", "error: cluster.workers=0: must be at least 1"),
+        ("cluster.executor=bogus", "error: cluster.executor=bogus: must be one of slurm, local, debug"),
+        ("cluster.workers=abc", "error: cluster.workers=abc: Value 'abc' of type 'str' could not be converted"),
+        ("lora.r=abc", "error: lora.r=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    ],
+)
+def test_bad_cluster_values_are_refused_in_one_line_before_anything_is_submitted(
+    root: Path, argument: str, message: str
+) -> None:
+    """`python -m src.cluster`: workers=0 submitted nothing and said so as a success; an unknown executor, a value of
+    the wrong type (of the cluster or of the sweep) ended in submitit's or Hydra's traceback (#30.21)."""
+    from src.cluster import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["cluster=local", argument, "hydra.sweeper.study_name=values"])
+    assert str(refused.value.code).startswith(message) and "\n" not in str(refused.value.code)
+    assert not (root / "sweeps").exists()

@@ -43,7 +43,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "src.attention",
         ),
     ),
-    ("the stores and the data", ("src.tracking", "src.stores", "src.faults", "src.data", "src.fit.model")),
+    (
+        "the stores and the data",
+        ("src.tracking", "src.stores", "src.faults", "src.tables", "src.data", "src.fit.model"),
+    ),
     ("the model, its measurement and its checks", ("src.models", "src.measure", "src.preflight")),
     ("the memory model's fit", ("src.fit",)),
     ("one trial", ("src.trial",)),

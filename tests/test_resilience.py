@@ -136,6 +136,44 @@ def test_a_full_disk_stops_the_sweep_with_one_line_and_the_resume_keeps_what_was
     _assert_told_what_it_measured(root, "full", mlflow_client)
 
 
+@pytest.mark.parametrize("full", ["mlflow_full", "everything_full"])
+def test_a_full_disk_under_mlflow_says_one_line_keeps_the_tracebacks_in_the_study_log_and_leaves_nothing_running(
+    root: Path, mlflow_client, full: str
+) -> None:
+    """Issue 30, 21: a real full disk under the MLflow store made MLflow log each failed write with its traceback, 180
+    lines on the terminal before the sweep's one line. Now they go to sweeps/<study>/sweep.log and the terminal gets
+    the one line, naming the store, the file and what to do. A trial that was running on the other slot is ended by
+    the stop; its records, where the stores could not take them, are settled by the resume: nothing stays RUNNING."""
+    from tests.fake_sweep import HOLD_ENV
+
+    env = {FAULT_ENV: f"{full}@1", HOLD_ENV: "0"}
+    first = run_cli(
+        "tests.fake_sweep", "hydra.sweeper.study_name=full", "hydra.sweeper.n_trials=3", "hydra.sweeper.cpu_slots=2",
+        root=root, timeout=300, env=env,
+    )  # fmt: skip
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr and "OperationalError" not in first.stderr, first.stderr[-3000:]
+    lines = [line for line in first.stderr.splitlines() if line.strip()]
+    log = root / "sweeps" / "full" / "sweep.log"
+    said = [line for line in lines if line.startswith("sweep stopped")]
+    stores = (f"the MLflow store sqlite:///{root}/mlruns/mlflow.db", f"the Optuna storage sqlite:///{root}/sweeps/full")
+    assert len(said) == 1 and any(f"disk full: {store}" in said[0] for store in stores), lines
+    assert f"; tracebacks in {log}; free space, then run the same command again to resume" in said[0], said
+    assert len(lines) <= 3, lines
+    kept = log.read_text()
+    assert "Traceback" in kept and "database or disk is full" in kept and "ERROR mlflow" in kept
+
+    again = run_cli("tests.fake_sweep", "hydra.sweeper.study_name=full", "hydra.sweeper.n_trials=3", root=root)
+    assert again.returncode == 0, again.stderr[-3000:]
+    trials = _study(root, "full").get_trials()
+    assert not [t.number for t in trials if not t.state.is_finished()]
+    assert trials[0].state == TrialState.FAIL and trials[0].user_attrs["failure.kind"] == "killed"
+    runs = _runs(mlflow_client, "full")
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    held = next(r for r in runs if r.data.tags.get("optuna.trial") == "0")
+    assert held.info.status == "KILLED" and held.data.tags["failure.kind"] == "killed"
+
+
 def test_the_tracking_server_dying_stops_the_sweep_with_one_line_within_a_minute(root: Path, tmp_path: Path) -> None:
     """The MLflow server killed once a trial ran (issue #30, 15): the engine's calls fail fast (bounded retries, not
     MLflow's ~4 minutes of backoff), and the sweep stops as for a full disk: one line naming the store, exit 1,
@@ -157,6 +195,88 @@ def test_the_tracking_server_dying_stops_the_sweep_with_one_line_within_a_minute
     said = [text for text in done.stderr.splitlines() if "sweep stopped" in text]
     assert len(said) == 1 and f"the MLflow store {server.url} cannot be reached" in said[0], done.stderr
     assert said[0].endswith("run the same command again to resume"), said[0]
+
+
+# ---- issue 30, 21: a resume whose killed trials filled n_trials ------------------------------------------------
+
+
+def test_a_resume_whose_killed_trials_filled_n_trials_says_so_and_retry_failed_trials_runs_them(
+    root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A sweep of 3 trials kill -9ed with two trials running: the resume fails them as killed, and they fill n_trials,
+    so it ran nothing, saying nothing of `retry_failed_trials`; nor did that key run them on a later resume (it only
+    queued trials failed in the same run). Now each resume says how many were killed and which key runs them again,
+    and the key queues them again, a run after the kill too."""
+    import socket
+
+    from optuna.distributions import CategoricalDistribution
+
+    from tests.test_sweep import _fake_sweep
+
+    space, again = ["lora.r=choice(4,8)"], "hydra.sweeper.skip_duplicates=false"
+    _fake_sweep(monkeypatch, "killed", 1, space, again)  # trial 0, measured
+    study = _study(root, "killed")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # the worker that ran trials 1 and 2, killed
+    for _ in range(2):
+        trial = study.ask({"lora.r": CategoricalDistribution((4, 8))})
+        trial.set_user_attr("worker.host", socket.gethostname())
+        trial.set_user_attr("worker.pid", gone.pid)
+    capsys.readouterr()
+
+    _fake_sweep(monkeypatch, "killed", 3, space, again)  # the resume: fails them, and is full
+    said = capsys.readouterr().out
+    assert "2 of them were killed when a sweep stopped or its worker died" in said, said
+    assert "add hydra.sweeper.retry_failed_trials=true to the same command" in said
+    assert [t.state for t in _study(root, "killed").get_trials()] == [TrialState.COMPLETE] + [TrialState.FAIL] * 2
+
+    _fake_sweep(monkeypatch, "killed", 3, space, again)  # once more: the study is complete, and says why
+    said = capsys.readouterr().out
+    assert "is already complete" in said and "2 of them were killed" in said and "retry_failed_trials=true" in said
+
+    _fake_sweep(monkeypatch, "killed", 3, space, again, "hydra.sweeper.retry_failed_trials=true")
+    said = capsys.readouterr().out
+    trials = _study(root, "killed").get_trials()
+    retries = {t.user_attrs["retry_of"]: t for t in trials if "retry_of" in t.user_attrs}
+    assert sorted(retries) == [1, 2] and len(trials) == 5, [(t.number, t.state) for t in trials]
+    for number, retry in retries.items():
+        assert retry.state == TrialState.COMPLETE and retry.params == trials[number].params
+    assert "3 trials finished, 3 ok" in said and "were killed" not in said, said
+
+
+def test_retry_failed_trials_queues_only_what_the_sweep_killed_as_what_it_was_queued_as(tmp_path: Path) -> None:
+    """A lever trial the sweep's stop ended is queued again as that lever (its overrides, the recipe it levers, no
+    `lever` param to clash with the sampler's); a trial killed by its own doing (a fault, SIGKILL) is not retried."""
+    from omegaconf import OmegaConf
+    from optuna.distributions import CategoricalDistribution
+
+    from src.sweep.storage import StudyStore
+
+    sweeper = OmegaConf.create(
+        {
+            "storage": None,
+            "heartbeat_interval_s": 10,
+            "grace_period_s": 60,
+            "retry_failed_trials": True,
+            "sampler": None,
+        }
+    )
+    store = StudyStore(sweeper, "retry", tmp_path / "retry", "host", lambda s, t: None)
+    study = store.open(["maximize"], {}, ["tokens_per_s"])
+    r = CategoricalDistribution((4, 8))
+    lever = '["trainer.gradient_checkpointing=true"]'
+    study.enqueue_trial({"lora.r": 8}, user_attrs={"sweep.lever": lever, "sweep.lever_of": 0})
+    for message in ("the sweep was interrupted (SIGINT) while this trial ran", "process ended by signal SIGKILL"):
+        trial = study.ask({"lora.r": r})
+        trial.set_user_attr("failure.kind", "killed")
+        trial.set_user_attr("failure.message", message)
+        study.tell(trial, state=TrialState.FAIL)
+    study = store.open(["maximize"], {}, ["tokens_per_s"])  # the resume, with retry_failed_trials=true
+    (retry,) = study.get_trials(states=(TrialState.WAITING,))
+    assert retry.user_attrs == {"sweep.lever": lever, "sweep.lever_of": 0, "retry_of": 0}
+    assert retry.system_attrs["fixed_params"] == {"lora.r": 8}
+    store.open(["maximize"], {}, ["tokens_per_s"])  # and once only
+    assert len(study.get_trials(states=(TrialState.WAITING,))) == 1
 
 
 # ---- item 6: Ctrl-C -----------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class SpaceFacts:
 
 def check_space(config: DictConfig, distributions: dict[str, BaseDistribution]) -> SpaceFacts:
     """Raise SpaceRefused when the data cannot be read or every value of a knob is refused; else the facts."""
-    from src.data import load_table, to_messages, token_lengths, truncation
+    from src.data import chat_lengths, read_blocks, truncation
     from src.preflight.data import load_tokenizer
 
     task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
@@ -66,8 +66,8 @@ def check_space(config: DictConfig, distributions: dict[str, BaseDistribution]) 
             raise SpaceRefused(f"no trial of this sweep could run: every value of {key} is refused: {'; '.join(why)}")
         log.warning("%s: %s (those trials will fail as config_error)", key, "; ".join(why))
     try:
-        df = load_table(task.data)
-        full, prompt = token_lengths(to_messages(df, task.data), load_tokenizer(task))
+        blocks = read_blocks(task.data)  # the file and its columns checked here; its rows read a block at a time
+        full, prompt = chat_lengths(blocks, task.data, load_tokenizer(task))
     except (DataError, ConfigError) as exc:
         raise SpaceRefused(f"no trial of this sweep could run: {exc}") from None
     lengths = _values(distributions[SEQ]) if SEQ in distributions else [task.data.max_seq_length]

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import FrozenTrial
 
@@ -57,8 +56,8 @@ from src.sweep.process import start_launcher
 from src.sweep.rules import LaunchRules
 from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
-from src.sweep.space import SpaceError, sweep_space
-from src.sweep.stop import on_signals, stopping, store_trouble
+from src.sweep.space import SpaceError, custom_space, sweep_space
+from src.sweep.stop import logged_to, on_signals, stopping, store_trouble
 from src.sweep.storage import StudyStore, worker_identity
 from src.sweep.tally import Tally
 from src.sweep.teller import Teller
@@ -74,8 +73,10 @@ def _as_list(value: Any) -> list[str]:
 def _objectives(sweeper: Any) -> tuple[list[str], list[str]]:
     """(objectives, directions): one direction per objective."""
     objectives, directions = _as_list(sweeper.objectives), _as_list(sweeper.direction)
-    if len(directions) != len(objectives):
-        raise ValueError(
+    if bad := [d for d in directions if d not in ("maximize", "minimize")]:  # Optuna's error was a raw traceback
+        raise SpaceError(f"hydra.sweeper.direction={directions}: {bad[0]!r} is not maximize or minimize")
+    if len(directions) != len(objectives) or not objectives:
+        raise SpaceError(
             f"hydra.sweeper.direction has {len(directions)} entries for {len(objectives)} objectives "
             f"{objectives}; give one direction (maximize/minimize) per objective"
         )
@@ -95,7 +96,7 @@ class SweepEngine:
         self.study_dir = Path(config.paths.sweeps_dir) / self.study_name
         self.objectives, self.directions = _objectives(self.sweeper)
         self.fixed, self.distributions = sweep_space(self.sweeper, arguments)
-        self.custom = get_method(self.sweeper.custom_search_space) if self.sweeper.custom_search_space else None
+        self.custom = custom_space(self.sweeper.custom_search_space)
         self.budget = float(config.hardware.vram_budget_gib)
         monotone = OmegaConf.to_container(self.sweeper.memory_monotone, resolve=True) or {}
         self.rules = LaunchRules(config, self.fixed, monotone, self.budget)
@@ -148,7 +149,7 @@ class SweepEngine:
         exit (128 + the signal, or 1)."""
         stopping.clear()
         try:
-            with on_signals():
+            with on_signals(), logged_to(self.study_dir):  # the stores' libraries log to sweeps/<study>/sweep.log
                 self.sweep()
         except KeyboardInterrupt:  # before the workers started, or again while they recorded their trials
             stopping.interrupted()

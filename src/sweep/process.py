@@ -131,7 +131,7 @@ def _stopped(log_dir: Path, how: str, progress: dict[str, Any] | None) -> Outcom
     """A trial ended (or never launched) because the sweep stopped: killed, and why."""
     stopping.count_stopped()
     step = progress.get("step", 0) + 1 if progress and progress.get("phase") == "training" else None
-    failure = {"kind": "killed", "message": f"{stopping.reason} while this trial ran", "step": step}
+    failure = {"kind": "killed", "message": f"{stopping.reason}{record.STOPPED_WHILE}", "step": step}
     return Outcome("failed", failure=failure, recorded=False, log_dir=log_dir, launcher=how)
 
 

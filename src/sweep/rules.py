@@ -35,6 +35,7 @@ from src.failures import MEMORY, oom_needed_gib
 from src.knobs import MEMORY_DIRECTIONS
 from src.study import DEFAULT_MARGIN, headroom_of
 from src.sweep.recipe import lever_overrides
+from src.sweep.space import SpaceError
 
 # Failures that the setting itself causes, the same way every time: the sampler must steer away from them.
 SETTING_FAILURES = (*MEMORY, "data_error", "config_error")
@@ -123,7 +124,7 @@ def named_constraints(trial: FrozenTrial) -> dict[str, float]:
 def check_monotone(monotone: dict[str, str]) -> None:
     for knob, way in monotone.items():
         if way not in MEMORY_DIRECTIONS:
-            raise ValueError(
+            raise SpaceError(
                 f"hydra.sweeper.memory_monotone.{knob}={way!r}: use one of {', '.join(MEMORY_DIRECTIONS)} "
                 "(how peak memory moves as the knob grows)"
             )

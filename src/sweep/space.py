@@ -80,6 +80,22 @@ def sweep_space(sweeper: Any, arguments: list[str]) -> tuple[list[str], dict[str
     return fixed, distributions
 
 
+def custom_space(name: str | None) -> Any:
+    """`hydra.sweeper.custom_search_space`: the function it names, or None."""
+    if not name:
+        return None
+    from hydra.utils import get_method
+
+    try:
+        return get_method(name)
+    except Exception as exc:  # an ImportError or a name that is not a function: Hydra's own words, in one line
+        why = " ".join(str(exc).split())
+        raise SpaceError(
+            f"hydra.sweeper.custom_search_space={name}: {why} (a function module.function(cfg, trial) that Python can "
+            "import from the project folder)"
+        ) from None
+
+
 def split_arguments(
     arguments: list[str], params: dict[str, Any], default_params: dict[str, Any], custom: bool = False
 ) -> tuple[list[str], dict[str, Any]]:
@@ -88,14 +104,41 @@ def split_arguments(
     parser = OverridesParser.create()
     fixed: list[str] = []
     cli_space: dict[str, Any] = {}
-    for override in parser.parse_overrides(arguments):
+    for line in arguments:
+        override = _parsed(parser, line, f"the sweep's argument {line!r}")
         if override.is_sweep_override():
-            cli_space[override.get_key_element()] = distribution(override)
+            cli_space[override.get_key_element()] = _distribution(override, f"the sweep's argument {line!r}")
         else:
             fixed.append(override.input_line)
     base = params if (params or cli_space or custom) else default_params
-    space = {key: distribution(parser.parse_override(f"{key}={value}")) for key, value in base.items()}
+    where = "hydra.sweeper.params" if base is params else "hydra.sweeper.default_params"
+    space = {}
+    for key, value in base.items():
+        override = _parsed(parser, f"{key}={value}", f"{where}.{key}={value}")
+        space[key] = _distribution(override, f"{where}.{key}={value}")
     return fixed, {**space, **cli_space}
+
+
+def _parsed(parser: OverridesParser, line: str, where: str) -> Override:
+    """One override; one the grammar refuses (`choice()`, an unclosed parenthesis) is a SpaceError naming it."""
+    try:
+        return parser.parse_override(line)
+    except Exception as exc:  # Hydra's OverrideParseException, a page of traceback at the command line
+        grammar = "choice(a,b), range(a,b,step), interval(a,b), tag(log,interval(a,b))"
+        raise SpaceError(f"{redact.redact_text(where)}: {_first(exc)} (the grammar: {grammar})") from None
+
+
+def _distribution(override: Override, where: str) -> BaseDistribution | Any:
+    try:
+        return distribution(override)
+    except ValueError as exc:  # interval(8,4): Optuna's own check of its bounds
+        raise SpaceError(f"{redact.redact_text(where)}: {_first(exc)}") from None
+
+
+def _first(exc: BaseException) -> str:
+    """The message's telling line: Hydra's first is "Error parsing override '...'", its second says why."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith("See https")]
+    return lines[1] if len(lines) > 1 and lines[0].startswith("Error parsing override") else (lines or [""])[0]
 
 
 def refuse_credentials(space: dict[str, Any], enqueue_trials: Any) -> None:

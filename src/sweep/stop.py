@@ -15,12 +15,14 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 from typing import NamedTuple
 
 from src.redact import redact_text
 
 RESUME = "run the same command again to resume"
+SWEEP_LOG = "sweep.log"  # sweeps/<study>/sweep.log: the sweep process's log, the stores' libraries' records with it
 _FULL = ("database or disk is full", "no space left on device", "disk quota exceeded")
 
 
@@ -36,6 +38,7 @@ class Stop:
         self.signal: int | None = None  # the signal that came, if one did
         self.stopped = 0  # trial processes ended for it
         self.patient = False  # workers run: a signal sets the flag, a second one raises (see workers_running)
+        self.log: Path | None = None  # the study's log file, once it holds an error or a traceback (see logged_to)
 
     def request(self, reason: str, exit_code: int, advice: str = RESUME) -> None:
         """Stop the sweep; the first reason stands (a full disk seen by every worker is one stop)."""
@@ -75,6 +78,7 @@ class Stop:
         with self._lock:
             self._event.clear()
             self.reason, self.advice, self.exit_code, self.signal, self.stopped = "", RESUME, 0, None, 0
+            self.log = None
 
     def message(self) -> str:
         """The terminal's line: why, what became of the running trials, how to resume (the command, where known)."""
@@ -84,7 +88,8 @@ class Stop:
         command = ""
         if sys.argv and sys.argv[0].endswith(os.path.join("src", "train.py")):
             command = ": " + redact_text(shlex.join(["python", "-m", "src.train", *sys.argv[1:]]))
-        return f"{self.reason}{trials}; {self.advice}{command}"
+        logged = f"; tracebacks in {self.log}" if self.log else ""
+        return f"{self.reason}{trials}{logged}; {self.advice}{command}"
 
 
 stopping = Stop()  # signals are the process's: one flag for the sweep this process runs
@@ -115,6 +120,23 @@ def on_signals() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextmanager
+def logged_to(study_dir: Path) -> Iterator[None]:
+    """While the sweep runs, what MLflow, alembic and SQLAlchemy log goes to `study_dir`/sweep.log, not the terminal
+    (src/quiet.py `to_file`; this process's own records go there too): a full disk's store errors are a traceback
+    each, and the terminal gets the stop's one line, which names the file when it holds them."""
+    import mlflow  # noqa: F401 - it sets its loggers' handlers when imported: first, so that ours stand
+
+    from src import quiet
+
+    with quiet.to_file(study_dir / SWEEP_LOG) as handler:
+        try:
+            yield
+        finally:
+            if handler.error_records:
+                stopping.log = study_dir / SWEEP_LOG
 
 
 class Trouble(NamedTuple):

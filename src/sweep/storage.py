@@ -21,13 +21,14 @@ import sqlalchemy
 from filelock import FileLock
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from src import record
 from src.places import study_storage
 from src.record import DEAD_WORKER, LEVER, WORKER_HOST, WORKER_PID, retried_numbers
 from src.sweep.rules import CONSTRAINTS, CONSTRAINTS_KEY
+from src.sweep.space import SpaceError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ class StudyStore:
     def open(
         self, directions: list[str], distributions: dict[str, BaseDistribution], objectives: list[str]
     ) -> optuna.Study:
-        self.study_dir.mkdir(parents=True, exist_ok=True)
         url = self.url
         engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
         sampler_cfg = OmegaConf.to_container(self.sweeper.sampler, resolve=True) if self.sweeper.sampler else None
@@ -71,9 +71,10 @@ class StudyStore:
             and sampler_cfg.get("_target_", "").endswith("GridSampler")
             and not sampler_cfg.get("search_space")
         ):
-            sampler_cfg["search_space"] = {
-                k: list(d.choices) for k, d in distributions.items() if isinstance(d, CategoricalDistribution)
-            }
+            sampler_cfg["search_space"] = _grid(distributions)
+        if sampler_cfg:
+            _check_sampler(sampler_cfg)  # before the study or its folder is made
+        self.study_dir.mkdir(parents=True, exist_ok=True)
         if not url.startswith(("sqlite", "postgresql")):
             log.warning("storage %s: only workers on this host are serialized (a file lock)", url.split(":")[0])
         # Under the lock: workers started at once on an empty database would race to create Optuna's tables.
@@ -96,6 +97,9 @@ class StudyStore:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names(list(objectives))
             study.set_user_attr("sweep.constraints", list(CONSTRAINTS))
+            if self.sweeper.retry_failed_trials:  # what an earlier run's kill -9 or Ctrl-C ended runs again
+                for trial in self.killed_not_retried(study):
+                    self._retry(study, trial)
         self.study_id = self.storage.get_study_id_from_name(self.study_name)
         if sampler_cfg and sampler_cfg.get("seed") is not None:
             # Processes of one study seeded alike would propose the same points: each process that joins
@@ -242,8 +246,55 @@ class StudyStore:
 
     def _requeue(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if self.sweeper.retry_failed_trials:
-            study.enqueue_trial(trial.params, user_attrs={record.RETRY_OF: trial.number})
+            self._retry(study, trial)
         log.warning("trial %d was left running by a dead worker: failed (killed)", trial.number)
+
+    def killed_not_retried(self, study: optuna.Study) -> list[FrozenTrial]:
+        """Trials their sweep killed (a dead worker, the sweep's stop: record.killed_by_sweep) that no trial retries
+        yet: each counts toward `n_trials` as a failure that says nothing of its setting."""
+        trials = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        retried = retried_numbers(study.get_trials(deepcopy=False))
+        return [t for t in trials if t.number not in retried and record.killed_by_sweep(t)]
+
+    def _retry(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Queue `trial`'s setting again (`retry_failed_trials`), as what it was queued as: the recipe, a lever or a
+        recommendation keeps its mark and its overrides; the retry counts toward `n_trials`, the trial no more."""
+        params = {k: v for k, v in trial.params.items() if k not in (record.LEVER_PARAM, record.RECOMMEND_PARAM)}
+        kept = {k: trial.user_attrs[k] for k in _QUEUED_AS if k in trial.user_attrs}
+        study.enqueue_trial(params, user_attrs={**kept, record.RETRY_OF: trial.number})
+        log.warning("trial %d (killed by its sweep) queued again (hydra.sweeper.retry_failed_trials)", trial.number)
+
+
+# What a queued trial was queued as, kept by its retry
+_QUEUED_AS = (record.RECIPE, record.LEVER, record.LEVER_OF, record.RECOMMENDED)
+
+
+def _grid(distributions: dict[str, BaseDistribution]) -> dict[str, list[Any]]:
+    """GridSampler's search space: each knob's values (a choice's, an integer range's); an interval has none to
+    list, and the grid sampler failed the sweep's first ask with a traceback."""
+    grid: dict[str, list[Any]] = {}
+    for key, dist in distributions.items():
+        if isinstance(dist, CategoricalDistribution):
+            grid[key] = list(dist.choices)
+        elif isinstance(dist, IntDistribution) and not dist.log:
+            grid[key] = list(range(dist.low, dist.high + 1, dist.step))
+        else:
+            raise SpaceError(
+                f"hydra.sweeper.sampler is a grid, but {key} is {dist.__class__.__name__.removesuffix('Distribution')}"
+                f"({dist.low:g}, {dist.high:g}{', log' if dist.log else ''}): a grid needs the values, give "
+                f"{key}=choice(...) or range(a,b,step), or use another sampler (hydra/sweeper/sampler=tpe)"
+            )
+    return grid
+
+
+def _check_sampler(sampler_cfg: dict[str, Any]) -> None:
+    """A sampler its own class refuses (a seed below 0, an unknown argument) is a SpaceError naming the key."""
+    try:
+        instantiate(sampler_cfg)
+    except Exception as exc:  # Hydra's InstantiationException around the sampler's own error: a page of traceback
+        cause = exc.__cause__ or exc
+        why = " ".join(str(cause).split()) or type(cause).__name__
+        raise SpaceError(f"hydra.sweeper.sampler ({sampler_cfg.get('_target_')}): {why}") from None
 
 
 def lock_key(study_name: str) -> int:

@@ -38,6 +38,7 @@ class Tally:
         self.best: tuple[float, int] | None = None
         self.bar: Any = None
         self.n_trials = 0
+        self.retry = False  # hydra.sweeper.retry_failed_trials (the killed trials then run again)
 
     def refresh(self, study: optuna.Study) -> None:
         """Recount the finished trials (a retried one counts by its retry); running ones are counted as they go."""
@@ -62,6 +63,7 @@ class Tally:
             else:
                 self.counts[f"failed_{failure_kind(t) or 'other'}"] += 1
                 self.counts["failed"] += 1
+                self.counts["killed_by_sweep"] += record.killed_by_sweep(t)
         self.best = best
         # the recipe's lever trials run beyond n_trials (src/sweep/recipe.py): the bar's total grows by them
         self.counts["levers"] = sum(1 for t in trials if record.LEVER in t.user_attrs)
@@ -80,6 +82,7 @@ class Tally:
         from tqdm.auto import tqdm
 
         self.n_trials = int(sweeper.n_trials)
+        self.retry = bool(sweeper.get("retry_failed_trials", False))
         self.bar = tqdm(
             total=self.total(),
             initial=min(self.counts["finished"], self.total()),
@@ -118,6 +121,8 @@ class Tally:
         ]
         if self.best:
             lines.append(f"best stable {self.objective} within the policies: {self.best[0]:.4g} (trial {self.best[1]})")
+        if self.counts["killed_by_sweep"] and not self.retry:
+            lines.append(self.killed())
         lines.append(f"storage: {storage_url}  |  MLflow: {tracking_uri} (experiment '{self.study_name}')")
         lines.append(f"trial logs: {trials_dir}  |  map: {report}")
         return redact_text("\n".join(lines))
@@ -129,11 +134,22 @@ class Tally:
         words = ", ".join(f"{v} {_SKIP_WORDS.get(k, (k, k))[v != 1]}" for k, v in reasons)
         return f"{total} skipped" + (f" ({words})" if words else "")
 
+    def killed(self) -> str:
+        """What the trials the sweep itself killed (record.killed_by_sweep) count for, and how to run them again."""
+        n = self.counts["killed_by_sweep"]
+        return (
+            f"{n} of them {'was' if n == 1 else 'were'} killed when a sweep stopped or its worker died (a kill -9, "
+            "Ctrl-C), measuring nothing, yet counted toward n_trials: add hydra.sweeper.retry_failed_trials=true to "
+            "the same command to queue them again and run them"
+        )
+
     def complete(self, n_trials: int, report: str, fresh_name: str) -> str:
-        """One line for a sweep run again on a study that already holds its `n_trials` finished trials."""
+        """One line for a sweep run again on a study that already holds its `n_trials` finished trials (a killed
+        trial among them: the key that runs it again; with the key on, the study was not complete)."""
+        killed = f" {self.killed()}." if self.counts["killed_by_sweep"] else ""
         return redact_text(
             f"study '{self.study_name}' is already complete: it holds {self.counts['finished']} finished trials "
-            f"(hydra.sweeper.n_trials={n_trials}), so no trial was run. Its map: {report}  |  to sweep again, start "
-            f"a new study with hydra.sweeper.study_name={fresh_name}, or add trials to this one with "
+            f"(hydra.sweeper.n_trials={n_trials}), so no trial was run.{killed} Its map: {report}  |  to sweep again, "
+            f"start a new study with hydra.sweeper.study_name={fresh_name}, or add trials to this one with "
             f"hydra.sweeper.n_trials={2 * n_trials}"
         )
