@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from src.fit.model import TERMS, MemoryModel, Prediction, Setting, peak_batch
+from src.fit.model import FITTED, TERMS, MemoryModel, Prediction, Setting, peak_batch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,9 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         model, note = calibrated(cfg.tracking.uri, cfg.model.name)
     if args.save is not None:
         model.save(args.save)
-    lengths = Lengths().of(cfg)
+    rows = Lengths().rows(cfg)
+    lengths = None if rows is None else rows[0]
     try:
-        setting = Setting.from_config(cfg, vocab_fallback=vocab_fallback(cfg))
+        vocab = vocab_fallback(cfg)
+        setting = Setting.from_config(cfg, vocab_fallback=vocab)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def model_file(path: Path) -> MemoryModel:
     """A fitted model's file (`--save`), checked before it is used: ValueError says what is wrong with it (a JSON
-    without the model's keys read as every term 0 GiB and "FITS")."""
+    without the model's keys read as every term 0 GiB and "FITS"). A file of an older model (fewer terms) is read with
+    the terms it lacks at their first-principles values."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -87,15 +90,16 @@ def model_file(path: Path) -> MemoryModel:
     if missing:
         raise ValueError(f"not a fitted model: no {', '.join(missing)} (write one with --save)")
     coefficients = data["coefficients"]
-    model = MemoryModel()
-    if not isinstance(coefficients, dict) or not set(coefficients) >= set(model.coefficients):
-        raise ValueError(f"not a fitted model: its coefficients need {', '.join(sorted(model.coefficients))}")
+    if not isinstance(coefficients, dict) or not coefficients or not set(coefficients) <= set(FITTED):
+        raise ValueError(f"not a fitted model: its coefficients are some of {', '.join(FITTED)}")
     numbers = {f"coefficients.{k}": v for k, v in coefficients.items()} | {k: data[k] for k in keys[1:]}
+    if data.get("error_over") is not None:
+        numbers["error_over"] = data["error_over"]
+    for name, pair in (data.get("errors") or {}).items():
+        numbers |= {f"errors.{name}[{i}]": v for i, v in enumerate(pair)}
     for key, value in numbers.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ValueError(f"{key}={value!r}: must be a number, at least 0")
-    if not data["error"] < 1:
-        raise ValueError(f"error={data['error']}: a relative error, below 1")
     return MemoryModel.from_dict(data)
 
 
@@ -107,7 +111,8 @@ def ask(model: MemoryModel, setting: Setting, lengths: Any, cards: list[float]) 
         "predicted_peak_vram_reserved_gib": pred.reserved_gib,
         "cuda_context_gib": pred.context_gib,
         "predicted_on_card_gib": pred.device_gib,
-        "error_frac": pred.error,
+        "error_frac": pred.error,  # the most it under-predicts, as a share of its prediction
+        "error_over_frac": pred.error if pred.error_over is None else pred.error_over,
         "peak_micro_batch": {"rows": len(batch.rows), "tokens": batch.tokens},
         "cards": [],
     }
@@ -168,18 +173,19 @@ def render(answer: dict[str, Any], s: Setting, lengths: Any) -> str:
         if lengths is None
         else f"your data's longest row: {int(max(lengths))} tokens"
     )
-    err = answer["error_frac"]
+    err, over = answer["error_frac"], answer["error_over_frac"]
     lines = [
         f"setting: {knobs}",
         f"peak micro-batch: {mb['rows']} row(s), {mb['tokens']} tokens ({data})",
-        f"memory model: {answer['calibration']}; its error ±{err:.1%}",
+        f"memory model: {answer['calibration']}; it under-predicts by at most {err:.1%} and over-predicts by at most "
+        f"{over:.1%} ({'expandable segments' if s.expandable_segments else 'the default allocator'})",
         "",
     ]
     for name in TERMS:
         lines.append(f"  {name:<22}{answer['terms_gib'][name]:8.2f} GiB")
     reserved = answer["predicted_peak_vram_reserved_gib"]
     lines += [
-        f"  {'= peak reserved':<22}{reserved:8.2f} GiB  (±{err * reserved:.2f})",
+        f"  {'= peak reserved':<22}{reserved:8.2f} GiB  (+{err * reserved:.2f} / -{reserved * over / (1 + over):.2f})",
         f"  {'+ CUDA context':<22}{answer['cuda_context_gib']:8.2f} GiB",
         f"  {'= on the card':<22}{answer['predicted_on_card_gib']:8.2f} GiB",
         "",
