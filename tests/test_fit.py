@@ -239,3 +239,28 @@ def test_the_sweeps_gate_reads_each_trials_setting_alone_and_names_a_bad_mode(ro
     assert not gate.skips(gate.predict(["trainer.per_device_train_batch_size=64"]))  # predict: never skips
     with pytest.raises(SpaceError, match="hydra.sweeper.memory_model"):
         MemoryGate(cfg, "sometimes", LENGTHS, 24.0)
+
+
+def test_fit_cli_recommends_a_setting_for_each_card(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Per card, the setting to run there from the model alone, by the sweep's rule (src/fit/recommend.py): a
+    smaller card needs more of the levers; one too small for any gets none, and the closest is named."""
+    path = root / "model.json"
+    MemoryModel(error=0.05, error_over=0.05, points=30).save(path)
+    recipe = ["model=llama3_8b_synthetic", "data=clinical_notes", "trainer.per_device_train_batch_size=4"]
+    assert fit_main([*recipe, "--card", "6", "24", "80", "--model-file", str(path), "--json"]) == 0
+    tiny, small, large = json.loads(capsys.readouterr().out)["cards"]
+    assert tiny["recommended"] is None and tiny["closest"]["predicted"]  # nothing fits 6 GiB: the closest, named
+    levers = ("per_device_train_batch_size", "gradient_checkpointing", "attn_implementation", "expandable_segments")
+    assert all(any(lever in c for c in tiny["closest"]["changes"]) for lever in levers)  # every lever on
+    assert len(small["recommended"]["changes"]) > len(large["recommended"]["changes"])
+    for card in (small, large):
+        best = card["recommended"]
+        assert best["predicted"] and best["truncated_answer_frac"] == 0  # the length that cuts no answer
+        assert best["if_under_predicted_gib"] == pytest.approx(1.05 * best["predicted_peak_vram_reserved_gib"])
+        assert best["if_under_predicted_gib"] <= (card["card_gib"] - 0.6) * (1 - card["headroom_margin"])
+    assert fit_main([*recipe, "--card", "6", "80", "--model-file", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.strip().startswith("recommended (predicted): none of the levers") for line in lines)
+    assert any(
+        line.strip().startswith("recommended (predicted, from the memory model alone): recipe +") for line in lines
+    )
