@@ -168,7 +168,6 @@ class Setting:
     optim: str = "paged_adamw_32bit"
     fused_loss: bool = False  # Liger's fused linear cross-entropy: the logits are never whole
     world_size: int = 1
-    group_by_length: bool = True  # false: micro-batches of random shapes, in random order (the allocator's cache)
     expandable_segments: bool = False  # the caching allocator's expandable segments (hardware.expandable_segments)
 
     @classmethod
@@ -188,7 +187,6 @@ class Setting:
             upcast_non_quantized=bool(m.get("upcast_non_quantized", True)),
             optim=str(t.optim),
             fused_loss=bool(t.get("use_liger_kernel", False)),
-            group_by_length=bool(t.get("group_by_length", True)),
             expandable_segments=bool((cfg.get("hardware") or {}).get("expandable_segments") or False),
         )
 
