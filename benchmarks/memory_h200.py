@@ -54,7 +54,8 @@ def setting_of(params: dict[str, Any]) -> Any:
 
 
 def calibrate() -> None:
-    from src.fit.model import Point, fit, peak_batch
+    from src.fit.calibration import fit
+    from src.fit.model import Point, peak_batch
 
     full = json.loads(FULL_MAP.read_text())
     ok = sorted((c for c in full["configs"] if c["status"] == "ok"), key=lambda c: c["trial"])

@@ -1,21 +1,31 @@
 """The memory model judged where it was not fitted (issue "A memory model that holds where it was not fitted").
 
-    python -m benchmarks.memory_random_h200 design     # here: the calibration design and the random held-out set
-    WAIT=570 bash benchmarks/memory_random_h200.sh     # on the GPU (carry .whl): every setting of the design, measured
-    python -m benchmarks.memory_random_h200 summarize RAW.json   # here: fit on the design, judge on the held-out set
+    python -m benchmarks.memory_random_h200 design             # here: the calibration design and the random held-out set
+    WAIT=570 bash benchmarks/memory_random_h200.sh             # on the GPU (carry .whl): every setting of it, measured
+    python -m benchmarks.memory_random_h200 summarize RAW.json [RAW_EXPANDABLE.json]   # fit on the design, judge
+    # the final, independent judgement: a fresh random set the model never saw, drawn after it was built
+    python -m benchmarks.memory_random_h200 design --fresh     # here: memory_model_random_fresh_design.json
+    WAIT=570 bash benchmarks/memory_random_h200.sh --design fresh       # on the GPU: memory_random_raw_fresh.json
+    python -m benchmarks.memory_random_h200 summarize RAW.json RAW_EXPANDABLE.json --fresh FRESH_RAW.json
 
 The space is every knob the sweeper and the recipe's levers vary: `data.max_seq_length` 256-4096 in steps of 64
 (not only powers of two), per-device batch 1-8, gradient checkpointing, eager / SDPA / varlen attention, packing,
-LoRA rank 8-64 (log-uniform), the non-quantized weights in fp32 (peft's upcast) or bf16, `group_by_length`, and
-gradient accumulation 1-4. The calibration points are a scrambled Sobol sequence over it (space-filling); the
-held-out settings are drawn uniformly at random from the same space with another seed and are never used in the
-fit. Each setting is one fresh trial (`python -m src.train`, forked from a warm interpreter, 5 at a time on one
-H200, each capped at 24 GiB) of `llama3_8b_synthetic` on `data=clinical_notes`: 2 optimizer steps, the longest
-rows in the probe's sample, peak reserved VRAM from torch's allocator.
+LoRA rank 8-64 (log-uniform), the non-quantized weights in fp32 (peft's upcast) or bf16, `group_by_length`,
+gradient accumulation 1-4, and (the fresh set) the allocator's expandable segments. The calibration points are a
+scrambled Sobol sequence over it (space-filling); the held-out settings are drawn uniformly at random from the same
+space with another seed and are never used in the fit. The first runs measured the design twice, once per allocator
+(`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` for the second); the model's terms were chosen looking at their
+held-out settings, so the final judgement is a fresh set drawn with a third seed, none of it equal to any setting
+measured before, each with the allocator of its own draw (`hardware.expandable_segments`). Summarized with
+`--fresh`, the model is fitted to everything measured before and judged on the fresh set alone.
 
-A setting the current model puts beyond 1.6x the card (certain OOM even if it overestimated by 37%) is not launched:
-the sweep never launches it either (it skips it as a certain OOM). It is listed, not measured, and is not a held-out
-point.
+Each setting is one fresh trial (`python -m src.train`, forked from a warm interpreter, 5 at a time on one H200,
+each capped at 24 GiB) of `llama3_8b_synthetic` on `data=clinical_notes`: 2 optimizer steps, the longest rows in the
+probe's sample, peak reserved VRAM from torch's allocator.
+
+A setting the grid-calibrated model puts beyond 1.6x the card (certain OOM even if it overestimated by 37%) is not
+launched: the sweep never launches it either (it skips it as a certain OOM). It is listed, not measured, and is not
+a held-out point.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,6 +46,7 @@ import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DESIGN = RESULTS / "memory_model_random_design.json"
+FRESH_DESIGN = RESULTS / "memory_model_random_fresh_design.json"
 OLD_MODEL = RESULTS / "memory_model_calibration_h200.json"
 BUDGET = 24.0
 BASE = ["model=llama3_8b_synthetic", "data=clinical_notes"]
@@ -43,11 +55,15 @@ ATTENTION = ("eager", "sdpa", "varlen")
 CERTAIN_OOM = 1.6  # x the card: not launched (the sweep skips such a setting as a certain OOM)
 N_CALIBRATION = 40
 N_HELD_OUT = 64  # launched (the sweep would launch them); expect ~1/4 to OOM
+N_FRESH = 60  # launched: ~5-6 minutes on the card, within one device call
+FRESH_SEED = 20261206  # the Sobol design's was 29, the first held-out set's 20261204
+EXPANDABLE = "hardware.expandable_segments"
 
 
 def setting_from_unit(u: np.ndarray) -> dict[str, Any]:
-    """One point of the unit cube as a setting of the space (the same map for the design and the held-out set)."""
-    return {
+    """One point of the unit cube as a setting of the space (the same map for the design and the held-out sets; a
+    tenth coordinate, the fresh set's, draws the allocator)."""
+    found = {
         "data.max_seq_length": int(256 + 64 * min(math.floor(u[0] * 61), 60)),  # 256 ... 4096
         "trainer.per_device_train_batch_size": int(1 + min(math.floor(u[1] * 8), 7)),
         "trainer.gradient_checkpointing": bool(u[2] < 0.5),
@@ -58,10 +74,14 @@ def setting_from_unit(u: np.ndarray) -> dict[str, Any]:
         "trainer.group_by_length": bool(u[7] < 0.5),
         "trainer.gradient_accumulation_steps": int(1 + min(math.floor(u[8] * 4), 3)),
     }
+    if len(u) > 9:
+        found[EXPANDABLE] = bool(u[9] < 0.5)
+    return found
 
 
 def _key(s: dict[str, Any]) -> str:
-    return json.dumps(s, sort_keys=True)
+    """A setting's knobs, the allocator aside: the same setting under either allocator is one setting."""
+    return json.dumps({k: v for k, v in s.items() if k != EXPANDABLE}, sort_keys=True)
 
 
 def overrides(s: dict[str, Any]) -> list[str]:
@@ -84,24 +104,32 @@ def lengths() -> np.ndarray | None:
     return Lengths().of(compose(BASE))
 
 
-def design() -> None:
-    """The Sobol calibration design and the random held-out set, with what the current model predicts for each."""
-    from scipy.stats import qmc
-
+def certain_oom() -> Callable[[dict[str, Any]], bool]:
+    """The rule that keeps a setting out of the trials: the grid-calibrated model puts it beyond CERTAIN_OOM x the
+    card (the sweep skips such a setting as a certain OOM)."""
     from src.fit.model import MemoryModel, peak_batch
 
     old = MemoryModel.load(OLD_MODEL)
     lens = lengths()
 
-    def predicted(s: dict[str, Any]) -> float:
+    def beyond(s: dict[str, Any]) -> bool:
         st = setting_of(s)
-        return old.predict(st, peak_batch(lens, st)).device_gib
+        return old.predict(st, peak_batch(lens, st)).device_gib > CERTAIN_OOM * BUDGET
+
+    return beyond
+
+
+def design() -> None:
+    """The Sobol calibration design and the random held-out set, with what the current model predicts for each."""
+    from scipy.stats import qmc
+
+    beyond = certain_oom()
 
     sobol = qmc.Sobol(d=9, scramble=True, seed=29).random(128)
     calibration, seen = [], set()
     for u in sobol:  # the first N_CALIBRATION Sobol points that the sweep would launch
         s = setting_from_unit(u)
-        if _key(s) in seen or predicted(s) > CERTAIN_OOM * BUDGET:
+        if _key(s) in seen or beyond(s):
             continue
         seen.add(_key(s))
         calibration.append(s)
@@ -114,7 +142,7 @@ def design() -> None:
         if _key(s) in seen:
             continue
         seen.add(_key(s))
-        (not_launched if predicted(s) > CERTAIN_OOM * BUDGET else held).append(s)
+        (not_launched if beyond(s) else held).append(s)
     out = {
         "design": "calibration: the first points of a scrambled Sobol sequence (scipy.stats.qmc.Sobol, d=9, seed 29) "
         "mapped onto the space, keeping those the sweep would launch; held-out: uniform random draws "
@@ -131,6 +159,50 @@ def design() -> None:
     print(f"{DESIGN}: {len(calibration)} calibration, {len(held)} held-out, {len(not_launched)} not launched")
 
 
+def measured_before() -> set[str]:
+    """Every setting of the first design (calibration, held-out and not launched), the allocator aside."""
+    d = json.loads(DESIGN.read_text())
+    return {_key(s) for part in ("calibration", "held_out", "held_out_not_launched") for s in d[part]}
+
+
+def draw_fresh(
+    seen: set[str], n: int, seed: int, beyond: Callable[[dict[str, Any]], bool]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(launched, not launched): `n` settings drawn uniformly at random from the space, the allocator included, none
+    equal to a setting of `seen` (under either allocator) or to one another; those `beyond` calls certain OOMs apart."""
+    rng = np.random.default_rng(seed)
+    seen = set(seen)
+    held: list[dict[str, Any]] = []
+    not_launched: list[dict[str, Any]] = []
+    while len(held) < n:
+        s = setting_from_unit(rng.random(10))
+        if _key(s) in seen:
+            continue
+        seen.add(_key(s))
+        (not_launched if beyond(s) else held).append(s)
+    return held, not_launched
+
+
+def design_fresh() -> None:
+    """A fresh random set for the final judgement: drawn with a third seed after the model was built, none of it
+    measured before."""
+    held, not_launched = draw_fresh(measured_before(), N_FRESH, FRESH_SEED, certain_oom())
+    out = {
+        "design": f"fresh held-out: uniform random draws (numpy default_rng({FRESH_SEED}), 10 coordinates: the "
+        "first design's 9 knobs and the allocator) from the same space, none equal to any setting of the first design "
+        f"({DESIGN.name}: calibration, held-out or not launched, under either allocator); drawn after the model's "
+        "terms were chosen, so no choice of the model saw them",
+        "space": setting_from_unit.__doc__,
+        "certain_oom_rule": f"not launched when the grid-calibrated model ({OLD_MODEL.name}) predicts > "
+        f"{CERTAIN_OOM}x the {BUDGET:g} GiB card",
+        "held_out": held,
+        "held_out_not_launched": not_launched,
+        "command": "python -m benchmarks.memory_random_h200 design --fresh",
+    }
+    FRESH_DESIGN.write_text(json.dumps(out, indent=1))
+    print(f"{FRESH_DESIGN}: {len(held)} fresh held-out, {len(not_launched)} not launched")
+
+
 # ---- run (on the GPU) --------------------------------------------------------------------------------------------
 
 
@@ -140,11 +212,14 @@ def run(args: argparse.Namespace) -> None:
 
     root = Path(os.environ.get("QLORA_ROOT", "/tmp/qlora"))
     out = Path(os.environ.get("OUT") or root)
-    d = json.loads(DESIGN.read_text())
-    todo = [("calibration", i, s) for i, s in enumerate(d["calibration"])]
-    todo += [("held_out", i, s) for i, s in enumerate(d["held_out"])]
-    # interleaved, so a run cut short still holds both sets
-    todo.sort(key=lambda t: (t[1] / (N_CALIBRATION if t[0] == "calibration" else N_HELD_OUT), t[0]))
+    if args.design == "fresh":  # the final judgement's set alone
+        todo = [("fresh", i, s) for i, s in enumerate(json.loads(FRESH_DESIGN.read_text())["held_out"])]
+    else:
+        d = json.loads(DESIGN.read_text())
+        todo = [("calibration", i, s) for i, s in enumerate(d["calibration"])]
+        todo += [("held_out", i, s) for i, s in enumerate(d["held_out"])]
+        # interleaved, so a run cut short still holds both sets
+        todo.sort(key=lambda t: (t[1] / (N_CALIBRATION if t[0] == "calibration" else N_HELD_OUT), t[0]))
     t0 = time.time()
     build = _sh([sys.executable, "-m", "src.models", *BASE], root / "build.log")
     print(f"model built: rc={build} in {time.time() - t0:.0f}s", flush=True)
@@ -155,6 +230,7 @@ def run(args: argparse.Namespace) -> None:
     MlflowClient(f"sqlite:///{root}/mlruns/mlflow.db").search_experiments()
     ctx = launcher.forkserver(list(launcher.DEFAULT_PRELOAD))
     rows: list[dict[str, Any]] = []
+    tag = args.tag if args.tag is not None else ("_fresh" if args.design == "fresh" else "")
 
     def one(item: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         role, i, s = item
@@ -208,7 +284,7 @@ def run(args: argparse.Namespace) -> None:
     with ThreadPoolExecutor(args.slots) as pool:
         for row in pool.map(one, todo):
             rows.append(row)
-            (out / f"memory_random_raw{args.tag}.json").write_text(json.dumps(_raw(rows, t0, args), indent=1))
+            (out / f"memory_random_raw{tag}.json").write_text(json.dumps(_raw(rows, t0, args), indent=1))
     print(f"done: {len(rows)} trials in {(time.time() - t0) / 60:.1f} min", flush=True)
 
 
@@ -228,6 +304,7 @@ def _raw(rows: list[dict[str, Any]], t0: float, args: argparse.Namespace) -> dic
 
     return {
         "command": "WAIT=570 bash benchmarks/memory_random_h200.sh " + " ".join(sys.argv[2:]),
+        "design": args.design,
         "slots": args.slots,
         "probe": PROBE,
         "budget_gib": BUDGET,
@@ -258,120 +335,170 @@ def _sh(cmd: list[str], log: Path) -> int:
 # ---- summarize (here, on the CPU) -------------------------------------------------------------------------------
 
 
-def summarize(raw_file: Path, tag: str = "") -> None:
-    """Fit the model on the measured calibration points; judge it, the grid-calibrated model and the two outside
-    tools on the held-out settings. `tag`: the run's (its files are memory_model_random<tag>_h200.json and
-    memory_model_random<tag>_calibration_h200.json)."""
-    outfile = RESULTS / f"memory_model_random{tag}_h200.json"
-    model_file = RESULTS / f"memory_model_random{tag}_calibration_h200.json"
-    from benchmarks.memory_h200 import comparisons
-    from src.fit.model import MemoryModel, Point, fit, peak_batch
-
+def measured_rows(raw_file: Path) -> list[dict[str, Any]]:
+    """A run's rows, each setting with its allocator (`hardware.expandable_segments`: the setting's own draw, else
+    the run's PYTORCH_CUDA_ALLOC_CONF)."""
     raw = json.loads(raw_file.read_text())
-    lens = lengths()
+    run_wide = "expandable_segments:true" in str(raw.get("pytorch_cuda_alloc_conf") or "").lower()
     rows = []
     for r in raw["rows"]:
-        s = setting_of(r["setting"])
-        rows.append((r, s, peak_batch(lens, s)))
+        setting = {**r["setting"], EXPANDABLE: bool(r["setting"].get(EXPANDABLE, run_wide))}
+        rows.append({**r, "setting": setting})
+    return rows
+
+
+def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -> None:
+    """Fit the model and judge it, the grid-calibrated model and the two outside tools on held-out settings.
+
+    Without `fresh`: fitted on the calibration (Sobol) points of `raw_files`, judged on their held-out settings (which
+    were looked at while the model's terms were chosen: not an independent judgement). With `fresh` (a run of
+    `--design fresh`): fitted on every setting of `raw_files`, judged on the fresh set alone, which no choice of the
+    model saw. Either way the model's stated errors come before the judgement: each fitted setting predicted by a fit
+    that left it out (under either allocator), the largest under- and over-prediction, per allocator. Writes
+    memory_model_random<tag>_h200.json and the fitted model, memory_model_random<tag>_calibration_h200.json."""
+    from benchmarks.memory_h200 import comparisons
+    from src.fit.calibration import fit
+    from src.fit.model import MemoryModel, Point, allocator, peak_batch
+
+    outfile = RESULTS / f"memory_model_random{tag}_h200.json"
+    model_file = RESULTS / f"memory_model_random{tag}_calibration_h200.json"
+    if fresh is not None and fresh.resolve().parent != RESULTS:  # kept beside the others, committed
+        kept = RESULTS / "memory_model_random_raw_fresh_h200.json"
+        kept.write_text(fresh.read_text())
+        fresh = kept
+    raws = [json.loads(f.read_text()) for f in raw_files]
+    lens = lengths()
+
+    def prepared(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any, Any]]:
+        return [(r, s, peak_batch(lens, s)) for r in rows for s in [setting_of(r["setting"])]]
+
+    measured = prepared([r for f in raw_files for r in measured_rows(f)])
+    if fresh is None:
+        fitted = [x for x in measured if x[0]["role"] == "calibration"]
+        judged_rows = [x for x in measured if x[0]["role"] == "held_out"]
+    else:
+        fitted, judged_rows = measured, prepared(measured_rows(fresh))
     points = [
-        Point(s, b, r["peak_vram_reserved_gib"], r["cuda_context_gib"], f"calibration{r['index']}")
-        for r, s, b in rows
-        if r["role"] == "calibration" and r["status"] == "ok"
+        Point(
+            s, b, r["peak_vram_reserved_gib"], r["cuda_context_gib"], _key(r["setting"]), r["peak_vram_allocated_gib"]
+        )
+        for r, s, b in fitted
+        if r["status"] == "ok"
     ]
-    stack = {f"version.{k}": v for k, v in raw["versions"].items()} | {"gpu.name": raw["gpu"]}
-    model = fit(points, stack)
-    # the same cross-validation on the space-filling design, each direction apart: what a setting the fit did not
-    # see can expect (under: the model said less than the card used)
-    under, over = [], []
-    for k, p in enumerate(points):
-        held = fit(points[:k] + points[k + 1 :])
-        e = held.predict(p.setting, p.batch).reserved_gib / p.reserved_gib - 1
-        (under if e < 0 else over).append(abs(e))
-    out_model = model.to_dict() | {
-        "error_under": max(under, default=0.0),
-        "error_over": max(over, default=0.0),
-        "calibrated_on": [r["setting"] for r, _, _ in rows if r["role"] == "calibration" and r["status"] == "ok"],
-        "command": f"python -m benchmarks.memory_random_h200 summarize {raw_file}",
-    }
-    model_file.write_text(json.dumps(out_model, indent=2))
+    stack = {f"version.{k}": v for k, v in raws[0]["versions"].items()} | {"gpu.name": raws[0]["gpu"]}
+    model = fit(points, stack, group=lambda p: p.label)  # a setting left out under both allocators at once
+    files = [_shown(f) for f in raw_files] + ([f"--fresh {_shown(fresh)}"] if fresh else [])
+    command = "python -m benchmarks.memory_random_h200 summarize " + " ".join(files) + (f" --tag {tag}" if tag else "")
+    model_file.write_text(json.dumps(model.to_dict() | {"command": command}, indent=2))
     old = MemoryModel.load(OLD_MODEL)
-    settings, judged = [], {"new": [], "old": [], "fitcheck_llm": [], "accelerate_estimate_memory": []}
-    fit_but_oom = []
-    for r, s, b in rows:
+    settings, fit_but_oom, said_fits_but_oom = [], [], []
+    errors: dict[str, list[float]] = {
+        "model": [],
+        "grid_model": [],
+        "fitcheck_llm": [],
+        "accelerate_estimate_memory": [],
+    }
+    by_allocator: dict[str, list[tuple[float, float]]] = {}
+    for r, s, b in judged_rows:
         pred, pred_old = model.predict(s, b), old.predict(s, b)
-        measured = r["peak_vram_reserved_gib"] if r["status"] == "ok" else None
+        got = r["peak_vram_reserved_gib"] if r["status"] == "ok" else None
         row = {
             "role": r["role"],
             "setting": r["setting"],
             "status": r["status"],
             "failure_kind": r["failure_kind"],
-            "measured_peak_vram_reserved_gib": measured,
-            "measured_peak_vram_allocated_gib": r.get("peak_vram_allocated_gib") if measured else None,
+            "measured_peak_vram_reserved_gib": got,
+            "measured_peak_vram_allocated_gib": r.get("peak_vram_allocated_gib") if got else None,
             "predicted_peak_vram_reserved_gib": pred.reserved_gib,
             "predicted_peak_vram_device_gib": pred.device_gib,
             "predicted_terms_gib": pred.terms,
-            "error_pct": 100 * (pred.reserved_gib / measured - 1) if measured else None,
-            "grid_model_error_pct": 100 * (pred_old.reserved_gib / measured - 1) if measured else None,
-            **(comparisons(s, pred.reserved_gib) if r["role"] == "held_out" and measured else {}),
+            "stated_error_pct": 100 * pred.error,
+            "error_pct": 100 * (pred.reserved_gib / got - 1) if got else None,
+            "under_prediction_pct": 100 * (got / pred.reserved_gib - 1) if got else None,
+            "grid_model_error_pct": 100 * (pred_old.reserved_gib / got - 1) if got else None,
+            **(comparisons(s, pred.reserved_gib) if got else {}),
         }
         settings.append(row)
-        if r["role"] != "held_out":
-            continue
-        if measured:
-            judged["new"].append(row["error_pct"])
-            judged["old"].append(row["grid_model_error_pct"])
+        if got:
+            errors["model"].append(row["error_pct"])
+            errors["grid_model"].append(row["grid_model_error_pct"])
+            by_allocator.setdefault(allocator(s), []).append((row["error_pct"], row["under_prediction_pct"]))
             for tool in ("fitcheck_llm", "accelerate_estimate_memory"):
                 if row.get(f"{tool}_gib"):
-                    judged[tool].append(100 * (row[f"{tool}_gib"] / measured - 1))
-        elif r["failure_kind"] == "oom" and pred.device_gib <= 0.9 * BUDGET:
-            fit_but_oom.append(r["setting"])
-
-    def stats(errors: list[float]) -> dict[str, float | None]:
-        e = np.asarray(errors)
-        if not len(e):
-            return {"mean_abs_error_pct": None, "max_abs_error_pct": None, "max_under_prediction_pct": None}
-        return {
-            "mean_abs_error_pct": float(np.mean(np.abs(e))),
-            "max_abs_error_pct": float(np.max(np.abs(e))),
-            "max_under_prediction_pct": float(max(0.0, -e.min())),
-        }
-
+                    errors[tool].append(100 * (row[f"{tool}_gib"] / got - 1))
+        elif r["failure_kind"] == "oom":
+            if pred.device_gib <= 0.9 * BUDGET:
+                fit_but_oom.append(r["setting"])
+            if pred.device_gib + pred.error * pred.reserved_gib <= BUDGET:  # src.fit's verdict "fits"
+                said_fits_but_oom.append(r["setting"])
+    judged = [x for x in settings if x["measured_peak_vram_reserved_gib"]]
     summary = {
-        "design": json.loads(DESIGN.read_text())["design"],
+        "design": _design_words(fresh),
+        "independent": fresh is not None,
+        "independence": "the fresh set: drawn after the model's terms were chosen, never seen by any choice of the "
+        "model nor by its fit"
+        if fresh
+        else "NOT independent: these held-out settings were looked at while the model's terms were chosen; the final "
+        "judgement is a fresh set (design --fresh, summarize --fresh)",
         "calibration_points": len(points),
-        "held_out": len(judged["new"]),
-        **stats(judged["new"]),
-        "model_own_error_pct": 100 * out_model["error_under"],
-        "model_own_error_over_pct": 100 * out_model["error_over"],
-        "model_own_error_rule": "the largest leave-one-out under-prediction over the space-filling calibration "
-        "design (over-predictions apart)",
+        "calibration_settings": len({p.label for p in points}),
+        "held_out": len(judged),
+        **stats(errors["model"], [x["under_prediction_pct"] for x in judged]),
+        "max_under_prediction_rule": "the largest amount by which a measured peak reserved exceeded its prediction, "
+        "as a share of the prediction (the margin that would have covered it; the stated error's unit); the other "
+        "errors are shares of the measured peak",
+        "model_own_error_pct": 100 * model.error,
+        "model_own_error_over_pct": 100 * (model.error_over or model.error),
+        "model_own_error_by_allocator": {
+            k: {"under_pct": 100 * v[0], "over_pct": 100 * v[1]} for k, v in model.errors.items()
+        },
+        "model_own_error_rule": "stated before the judgement: each fitted setting predicted by a fit that left it out "
+        "(under both allocators at once), the largest under- and over-prediction, per allocator",
+        "held_out_beyond_stated_error": sum(1 for x in judged if x["under_prediction_pct"] > x["stated_error_pct"]),
+        "by_allocator": {
+            k: {"held_out": len(v), **stats([e for e, _ in v], [u for _, u in v])}
+            for k, v in sorted(by_allocator.items())
+        },
         "predicted_fit_but_oom": len(fit_but_oom),
         "predicted_fit_but_oom_settings": fit_but_oom,
         "predicted_fit_but_oom_rule": "OOM'd although predicted with >= 10% margin (device <= 90% of the card)",
-        "held_out_oom": sum(1 for r, _, _ in rows if r["role"] == "held_out" and r["failure_kind"] == "oom"),
+        "model_said_fits_but_oom": len(said_fits_but_oom),
+        "model_said_fits_but_oom_rule": "OOM'd although predicted on the card with its stated error <= the card "
+        "(python -m src.fit's verdict FITS)",
+        "held_out_oom": sum(1 for x in settings if x["failure_kind"] == "oom"),
+        "held_out_not_launched": len(
+            json.loads((FRESH_DESIGN if fresh else DESIGN).read_text())["held_out_not_launched"]
+        ),
         "not_measured": [
-            {"role": r["role"], "setting": r["setting"], "why": "the trial died creating MLflow's store (a race)"}
-            for r, _, _ in rows
-            if r["status"] == "missing"
+            {"role": x["role"], "setting": x["setting"], "status": x["status"]}
+            for x in settings
+            if x["status"] not in ("ok", "failed")
         ],
-        "grid_model": {"file": OLD_MODEL.name, **stats(judged["old"])},
-        "fitcheck_llm": stats(judged["fitcheck_llm"]),
-        "accelerate_estimate_memory": stats(judged["accelerate_estimate_memory"]),
+        "grid_model": {
+            "file": OLD_MODEL.name,
+            "note": "its coefficients; terms added since at first principles",
+            **stats(errors["grid_model"]),
+        },
+        "fitcheck_llm": stats(errors["fitcheck_llm"]),
+        "accelerate_estimate_memory": stats(errors["accelerate_estimate_memory"]),
     }
+    runs = [*raws, *([json.loads(fresh.read_text())] if fresh else [])]
     out = {
-        "gpu": raw["gpu"],
-        "versions": raw["versions"],
+        "gpu": raws[0]["gpu"],
+        "versions": raws[0]["versions"],
         "budget_gib": BUDGET,
-        "probe": raw["probe"],
-        "slots": raw["slots"],
-        "wall_min": raw["wall_min"],
+        "probe": raws[0]["probe"],
+        "slots": raws[0]["slots"],
+        "wall_min": [x["wall_min"] for x in runs],
         "commands": [
-            "python -m benchmarks.memory_random_h200 design",
-            "WAIT=570 bash benchmarks/memory_random_h200.sh --slots 5   (device, carry .whl)",
-            f"python -m benchmarks.memory_random_h200 summarize {raw_file}" + (f" --tag {tag}" if tag else ""),
+            "python -m benchmarks.memory_random_h200 design" + (" --fresh" if fresh else ""),
+            "WAIT=570 bash benchmarks/memory_random_h200.sh"
+            + (" --design fresh" if fresh else "")
+            + "   (device, carry .whl)",
+            command,
         ],
+        "raw_files": [f.name for f in raw_files] + ([fresh.name] if fresh else []),
         "model_file": model_file.name,
-        "pytorch_cuda_alloc_conf": raw.get("pytorch_cuda_alloc_conf"),
         "summary": summary,
         "settings": settings,
     }
@@ -379,24 +506,62 @@ def summarize(raw_file: Path, tag: str = "") -> None:
     print(json.dumps(summary, indent=2, default=str))
 
 
+def _shown(path: Path) -> str:
+    """A path as the commands show it: from the repository's root where it lies in it."""
+    root = RESULTS.parent.parent
+    return str(path.resolve().relative_to(root)) if path.resolve().is_relative_to(root) else str(path)
+
+
+def _design_words(fresh: Path | None) -> str:
+    first = json.loads(DESIGN.read_text())["design"]
+    if fresh is None:
+        return first + "; measured once per allocator (default; expandable segments)"
+    return (
+        "calibration: every setting of the first design, measured once per allocator ("
+        + first
+        + "); judged on: "
+        + json.loads(FRESH_DESIGN.read_text())["design"]
+    )
+
+
+def stats(errors: list[float], under: list[float] | None = None) -> dict[str, float | None]:
+    """Mean and largest absolute error (% of the measured peak) and, given the under-predictions (% of the
+    prediction), the largest of them (0 when none)."""
+    e = np.asarray(errors, dtype=float)
+    if not len(e):
+        return {"mean_abs_error_pct": None, "max_abs_error_pct": None, "max_under_prediction_pct": None}
+    out: dict[str, float | None] = {
+        "mean_abs_error_pct": float(np.mean(np.abs(e))),
+        "max_abs_error_pct": float(np.max(np.abs(e))),
+    }
+    if under is None:  # an outside tool: its under-prediction from its errors
+        out["max_under_prediction_pct"] = float(max(0.0, 100 * (1 / (1 + e.min() / 100) - 1)))
+    else:
+        out["max_under_prediction_pct"] = float(max(0.0, max(under)))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="what", required=True)
-    sub.add_parser("design")
     r = sub.add_parser("run")
     r.add_argument("--slots", type=int, default=5)
     r.add_argument("--trial-timeout-s", type=float, default=240)
-    r.add_argument("--tag", default="", help="suffix of the raw file's name (memory_random_raw<tag>.json)")
+    r.add_argument("--tag", default=None, help="suffix of the raw file's name (memory_random_raw<tag>.json)")
+    r.add_argument("--design", choices=("first", "fresh"), default="first", help="fresh: the final judgement's set")
+    d = sub.add_parser("design")
+    d.add_argument("--fresh", action="store_true", help="the final judgement's fresh random set")
     s = sub.add_parser("summarize")
-    s.add_argument("raw", type=Path)
-    s.add_argument("--tag", default="", help="the run's tag (_expandable): its own result files")
+    s.add_argument("raw", type=Path, nargs="+", help="the first design's raw files (default allocator, expandable)")
+    s.add_argument("--fresh", type=Path, default=None, help="the fresh set's raw file: judged on it alone")
+    s.add_argument("--tag", default="", help="suffix of the result files' names")
     args = p.parse_args()
     if args.what == "design":
-        design()
+        design_fresh() if args.fresh else design()
     elif args.what == "run":
         run(args)
     else:
-        summarize(args.raw, args.tag)
+        summarize(args.raw, args.fresh, args.tag)
 
 
 if __name__ == "__main__":

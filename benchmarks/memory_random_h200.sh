@@ -8,5 +8,9 @@
 #   the same with the allocator's expandable segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WAIT=570 \
 #     bash benchmarks/memory_random_h200.sh --tag _expandable
 #   here, after:  python -m benchmarks.memory_random_h200 summarize <files_at>/memory_random_raw<tag>.json [--tag ..]
+#   the final judgement, a fresh random set (here first: `... design --fresh`, its file committed; ~5-6 minutes):
+#     WAIT=560 bash benchmarks/memory_random_h200.sh --design fresh     -> memory_random_raw_fresh.json
+#   then here: python -m benchmarks.memory_random_h200 summarize benchmarks/results/memory_model_random_raw_h200.json \
+#     benchmarks/results/memory_model_random_raw_expandable_h200.json --fresh <files_at>/memory_random_raw_fresh.json
 MODULE=benchmarks.memory_random_h200 COPY=/tmp/memory_random_run COLLECT='memory_random_raw*.json' \
-  LOGS='build.log calibration*.log held_out*.log' exec bash "$(dirname "$0")/memory_h200.sh" "$@"
+  LOGS='build.log calibration*.log held_out*.log fresh*.log' exec bash "$(dirname "$0")/memory_h200.sh" "$@"

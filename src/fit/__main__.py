@@ -2,8 +2,10 @@
 
 The memory model (src/fit/model.py) predicts the setting's peak reserved VRAM term by term, fitted to the measured
 trials of the stack in the MLflow store (first principles where none was measured), on the micro-batch the user's
-own data makes at this max_seq_length; then, per card: fits or not with the margin, and the largest max_seq_length
-and per-device batch that fit.
+own data makes at this max_seq_length; then, per card: fits or not with the margin, the largest max_seq_length and
+per-device batch that fit, and the setting to run on that card, predicted from the model alone by the rule the sweep
+searches with (src/fit/recommend.py): the memory levers combined with the longest max_seq_length the data needs,
+predicted to keep the sweep's headroom margin even if the model under-predicts by its stated error.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from src.fit.model import TERMS, MemoryModel, Prediction, Setting, peak_batch
+from omegaconf import OmegaConf
+
+from src.fit.model import FITTED, TERMS, MemoryModel, Prediction, Setting, peak_batch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from src.config import compose
     from src.fit.calibration import Lengths, calibrated, vocab_fallback
 
-    try:
-        cfg = compose(args.overrides)
+    try:  # with the sweeper's config: its headroom margin is the recommendation's
+        cfg = compose(["hydra/sweeper=optuna", *args.overrides], hydra_config=True)
     except Exception as exc:
         print(f"error: {redact.redact_text(str(exc))}", file=sys.stderr)
         return 2
@@ -59,15 +63,20 @@ def main(argv: list[str] | None = None) -> int:
         model, note = calibrated(cfg.tracking.uri, cfg.model.name)
     if args.save is not None:
         model.save(args.save)
-    lengths = Lengths().of(cfg)
+    rows = Lengths().rows(cfg)
+    lengths = None if rows is None else rows[0]
     try:
-        setting = Setting.from_config(cfg, vocab_fallback=vocab_fallback(cfg))
+        vocab = vocab_fallback(cfg)
+        setting = Setting.from_config(cfg, vocab_fallback=vocab)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cards = args.card or [float(cfg.hardware.vram_budget_gib)]
     answer = ask(model, setting, lengths, cards)
     answer["calibration"] = note
+    margin = float(OmegaConf.select(cfg, "hydra.sweeper.headroom_margin"))
+    for card, advice in zip(answer["cards"], recommendations(model, cfg, vocab, rows, cards, margin), strict=True):
+        card.update(advice)
     if args.json:
         print(json.dumps(answer, indent=2))
     else:
@@ -77,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def model_file(path: Path) -> MemoryModel:
     """A fitted model's file (`--save`), checked before it is used: ValueError says what is wrong with it (a JSON
-    without the model's keys read as every term 0 GiB and "FITS")."""
+    without the model's keys read as every term 0 GiB and "FITS"). A file of an older model (fewer terms) is read with
+    the terms it lacks at their first-principles values."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -87,15 +97,16 @@ def model_file(path: Path) -> MemoryModel:
     if missing:
         raise ValueError(f"not a fitted model: no {', '.join(missing)} (write one with --save)")
     coefficients = data["coefficients"]
-    model = MemoryModel()
-    if not isinstance(coefficients, dict) or not set(coefficients) >= set(model.coefficients):
-        raise ValueError(f"not a fitted model: its coefficients need {', '.join(sorted(model.coefficients))}")
+    if not isinstance(coefficients, dict) or not coefficients or not set(coefficients) <= set(FITTED):
+        raise ValueError(f"not a fitted model: its coefficients are some of {', '.join(FITTED)}")
     numbers = {f"coefficients.{k}": v for k, v in coefficients.items()} | {k: data[k] for k in keys[1:]}
+    if data.get("error_over") is not None:
+        numbers["error_over"] = data["error_over"]
+    for name, pair in (data.get("errors") or {}).items():
+        numbers |= {f"errors.{name}[{i}]": v for i, v in enumerate(pair)}
     for key, value in numbers.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ValueError(f"{key}={value!r}: must be a number, at least 0")
-    if not data["error"] < 1:
-        raise ValueError(f"error={data['error']}: a relative error, below 1")
     return MemoryModel.from_dict(data)
 
 
@@ -107,7 +118,8 @@ def ask(model: MemoryModel, setting: Setting, lengths: Any, cards: list[float]) 
         "predicted_peak_vram_reserved_gib": pred.reserved_gib,
         "cuda_context_gib": pred.context_gib,
         "predicted_on_card_gib": pred.device_gib,
-        "error_frac": pred.error,
+        "error_frac": pred.error,  # the most it under-predicts, as a share of its prediction
+        "error_over_frac": pred.error if pred.error_over is None else pred.error_over,
         "peak_micro_batch": {"rows": len(batch.rows), "tokens": batch.tokens},
         "cards": [],
     }
@@ -155,6 +167,69 @@ def largest_batch(model: MemoryModel, s: Setting, lengths: Any, card: float, lim
     return best
 
 
+def recommendations(
+    model: MemoryModel, cfg: Any, vocab: int | None, rows: Any, cards: list[float], margin: float
+) -> list[dict[str, Any]]:
+    """Per card, the setting to run there, predicted from the model alone by src/fit/recommend.py's rule (the one the
+    sweep searches with): the recipe's levers combined with the longest max_seq_length the data needs (within
+    preflight.max_truncated_answer_frac), predicted to keep the headroom margin of the card's pool (its memory less
+    the CUDA context) even if the model under-predicts by its stated error; the fewest levers first. None fits: the
+    closest (every lever)."""
+    from src.data import truncation
+    from src.fit import recommend
+    from src.fit.calibration import configured
+
+    lengths = None if rows is None else rows[0]
+    recipe_length = int(cfg.data.max_seq_length)
+    levers = recommend.levers(cfg, {})
+    predicted: dict[tuple[str, ...], Prediction | None] = {}
+
+    def predict(changes: list[str]) -> Prediction | None:
+        if tuple(changes) not in predicted:
+            try:
+                s = Setting.from_config(configured(cfg, changes), vocab_fallback=vocab)
+                predicted[tuple(changes)] = model.predict(s, peak_batch(lengths, s))
+            except (ValueError, TypeError):  # a lever this model cannot describe
+                predicted[tuple(changes)] = None
+        return predicted[tuple(changes)]
+
+    def cut(length: int) -> float:
+        return 0.0 if rows is None else truncation(rows[0], rows[1], length)["truncated_answer_frac"]
+
+    if lengths is None:  # the data is not readable here: only the recipe's length
+        tried = [recipe_length]
+    else:
+        max_positions = Setting.from_config(cfg, vocab_fallback=vocab).arch.max_positions
+        ladder = recommend.ladder([recipe_length], int(lengths.max()), max_positions)
+        tried = recommend.lengths_to_try(ladder, cut, float(cfg.preflight.max_truncated_answer_frac))
+    out = []
+    for card in cards:
+        found = recommend.candidates(predict, levers, tried, cut, card - model.context_gib, margin)
+        best = found[0] if found else None
+        closest = None if found else recommend.closest(predict, levers, tried, cut)
+        out.append(
+            {
+                "recommended": _candidate(best, recipe_length),
+                "closest": _candidate(closest, recipe_length),
+                "headroom_margin": margin,
+            }
+        )
+    return out
+
+
+def _candidate(c: Any, recipe_length: int) -> dict[str, Any] | None:
+    if c is None:
+        return None
+    return {
+        "changes": c.changes,
+        "words": c.words(recipe_length),
+        "predicted_peak_vram_reserved_gib": c.predicted_gib,
+        "if_under_predicted_gib": c.bound_gib,
+        "truncated_answer_frac": c.cut,
+        "predicted": True,  # from the memory model alone: measure it (a sweep does)
+    }
+
+
 def render(answer: dict[str, Any], s: Setting, lengths: Any) -> str:
     knobs = (
         f"max_seq_length {s.max_seq_length} · batch {s.batch} · "
@@ -168,18 +243,19 @@ def render(answer: dict[str, Any], s: Setting, lengths: Any) -> str:
         if lengths is None
         else f"your data's longest row: {int(max(lengths))} tokens"
     )
-    err = answer["error_frac"]
+    err, over = answer["error_frac"], answer["error_over_frac"]
     lines = [
         f"setting: {knobs}",
         f"peak micro-batch: {mb['rows']} row(s), {mb['tokens']} tokens ({data})",
-        f"memory model: {answer['calibration']}; its error ±{err:.1%}",
+        f"memory model: {answer['calibration']}; it under-predicts by at most {err:.1%} and over-predicts by at most "
+        f"{over:.1%} ({'expandable segments' if s.expandable_segments else 'the default allocator'})",
         "",
     ]
     for name in TERMS:
         lines.append(f"  {name:<22}{answer['terms_gib'][name]:8.2f} GiB")
     reserved = answer["predicted_peak_vram_reserved_gib"]
     lines += [
-        f"  {'= peak reserved':<22}{reserved:8.2f} GiB  (±{err * reserved:.2f})",
+        f"  {'= peak reserved':<22}{reserved:8.2f} GiB  (+{err * reserved:.2f} / -{reserved * over / (1 + over):.2f})",
         f"  {'+ CUDA context':<22}{answer['cuda_context_gib']:8.2f} GiB",
         f"  {'= on the card':<22}{answer['predicted_on_card_gib']:8.2f} GiB",
         "",
@@ -196,7 +272,30 @@ def render(answer: dict[str, Any], s: Setting, lengths: Any) -> str:
             f"{card:g} GiB card: {c['verdict'].upper()} — {how}; largest max_seq_length at batch {s.batch}: "
             f"{seq_text}; largest batch at max_seq_length {s.max_seq_length}: {c['largest_batch'] or 'none'}"
         )
+        if "recommended" in c:
+            lines.append(f"  {advice_words(c)}")
     return "\n".join(lines)
+
+
+def advice_words(c: dict[str, Any]) -> str:
+    """The card's recommended setting (or the closest), in one line, marked predicted."""
+    margin = f"{c['headroom_margin']:.0%} headroom margin"
+    best = c["recommended"]
+    if best is not None:
+        words = "the recipe as it is" if best["words"] == "recipe" else best["words"]
+        return (
+            f"recommended (predicted, from the memory model alone): {words} — {best['predicted_peak_vram_reserved_gib']:.2f}"
+            f" GiB peak reserved, {best['if_under_predicted_gib']:.2f} if the model under-predicts by its error "
+            f"(keeps the {margin}); cuts {best['truncated_answer_frac']:.1%} of answers"
+        )
+    closest = c["closest"]
+    if closest is None:
+        return "recommended (predicted): none; the model cannot describe the levers of this setting"
+    return (
+        f"recommended (predicted): none of the levers' combinations is predicted to keep the {margin}; the closest, "
+        f"{closest['words']}, is predicted at {closest['predicted_peak_vram_reserved_gib']:.2f} GiB "
+        f"({closest['if_under_predicted_gib']:.2f} if under-predicted): measure it, or a larger card"
+    )
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 Each term is a count from first principles (bytes per weight, per token, per token per layer, per attention
 score) times a coefficient. The coefficients of the terms that depend on how the libraries run (which tensors
-autograd keeps, how many copies the loss makes, what the allocator holds back) start at first-principles values
-and are fitted to measured trials of a stack (src/fit/calibration.py); the weights' terms are exact counts and
-are not fitted.
+autograd keeps, how many copies the loss makes) start at first-principles values and are fitted to measured trials
+of a stack; the weights' terms are exact counts and are not fitted. Peak reserved is peak allocated (the tensors)
+plus what the caching allocator holds beyond them (`allocator_cache`: blocks cached for one micro-batch's shapes that
+the next cannot reuse); the allocated terms are fitted to measured peak allocated, the cache to what is left, with a
+coefficient for each allocator (expandable segments hold much less).
 
 The micro-batch at the peak comes from the user's own data: padded batches are as long as their longest row (a
 probe holds the longest rows, group_by_length puts them first), packed batches are one row of `batch x
@@ -14,7 +16,6 @@ max_seq_length` tokens laid end to end (trl's padding-free packing), whose SDPA 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,23 +32,56 @@ TERMS = (
     "lora_and_optimizer",
     "activations",
     "layer_inputs",
+    "residual_stream",
     "attention",
+    "attention_backward",
+    "attention_mask",
+    "logits_and_loss",
+    "allocator_overhead",
+    "allocator_cache",
+)
+# Coefficients fitted to measured peak allocated (multipliers of the first-principles counts; the overhead in GiB)
+ALLOCATED = (
+    "activations",
+    "layer_inputs",
+    "residual_stream",
+    "attention",
+    "attention_backward",
     "attention_mask",
     "logits_and_loss",
     "allocator_overhead",
 )
-# Coefficients fitted from measured trials (multipliers of the first-principles counts; the overhead in GiB).
-FITTED = ("activations", "layer_inputs", "attention", "attention_mask", "logits_and_loss", "allocator_overhead")
+# ... and to what peak reserved holds beyond it (the term `allocator_cache`), per allocator (expandable segments or
+# not): GiB per GiB of the tensors made and freed in every layer (eager attention's scores) and once a micro-batch
+# (logits, mask) (see `transient`), and GiB held whatever the batch
+CACHE_PARTS = ("scores", "tensors", "fixed")
+CACHE = {
+    False: tuple(f"allocator_cache_{part}" for part in CACHE_PARTS),
+    True: tuple(f"expandable_cache_{part}" for part in CACHE_PARTS),
+}
+FITTED = (*ALLOCATED, *CACHE[False], *CACHE[True])
 DEFAULTS = {
     "activations": 1.0,
     "layer_inputs": 1.0,
+    "residual_stream": 1.0,
     "attention": 1.0,
+    "attention_backward": 1.0,
     "attention_mask": 1.0,
     "logits_and_loss": 0.5,  # x fp32 logits: the bf16 gradient of the logits, alive as the backward starts
-    "allocator_overhead": 0.35,  # GiB: cuBLAS workspaces, the allocator's rounding and cached blocks
+    "allocator_overhead": 0.3,  # GiB: cuBLAS workspaces and the allocator's rounding
+    # x the transient tensors (see `transient`): the blocks the allocator caches for their shapes; and GiB: the
+    # rounding of the weights' and the adapters' blocks into the allocator's segments
+    "allocator_cache_scores": 0.3,
+    "allocator_cache_tensors": 0.1,
+    "allocator_cache_fixed": 0.4,
+    "expandable_cache_scores": 0.15,
+    "expandable_cache_tensors": 0.05,
+    "expandable_cache_fixed": 0.2,
 }
 DEFAULT_CONTEXT_GIB = 0.6  # the CUDA context of torch 2.11 + CUDA 13 on an H200, as NVML saw it
 UNCALIBRATED_ERROR = 0.25  # the relative error assumed before any trial of the stack was measured
+RESIDUAL_COPIES = 8  # the embedding's output, the final norm's input and output and lm_head's bf16 copy of it; in the
+# backward, the residual's gradient into and out of a layer, its branch's, and the norm's fp32 gradient
 NORMED_INPUTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # projections fed by an RMSNorm
 FUSED_ATTENTION = ("sdpa", "varlen", "flash_attention_2", "flash_attention_3", "flex_attention")
 # NF4/FP4 bytes per quantized weight: half a byte, plus an absmax per 64 weights (fp32, or 8-bit with double
@@ -118,7 +152,7 @@ class Arch:
 @dataclass(frozen=True)
 class Setting:
     """What the model reads from a composed config: the architecture, the quantization, LoRA, the optimizer,
-    the dtype of the non-quantized weights and the knobs."""
+    the dtype of the non-quantized weights, the allocator and the knobs."""
 
     arch: Arch
     max_seq_length: int
@@ -134,6 +168,7 @@ class Setting:
     optim: str = "paged_adamw_32bit"
     fused_loss: bool = False  # Liger's fused linear cross-entropy: the logits are never whole
     world_size: int = 1
+    expandable_segments: bool = False  # the caching allocator's expandable segments (hardware.expandable_segments)
 
     @classmethod
     def from_config(cls, cfg: Any, vocab_fallback: int | None = None) -> Setting:
@@ -152,6 +187,7 @@ class Setting:
             upcast_non_quantized=bool(m.get("upcast_non_quantized", True)),
             optim=str(t.optim),
             fused_loss=bool(t.get("use_liger_kernel", False)),
+            expandable_segments=bool((cfg.get("hardware") or {}).get("expandable_segments") or False),
         )
 
     def with_knobs(self, **knobs: Any) -> Setting:
@@ -196,7 +232,7 @@ def _targets(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
-def layer_bytes_per_token(s: Setting) -> float:
+def layer_bytes_per_token(s: Setting, mask_on: bool = True) -> float:
     """Bytes one decoder layer keeps for backward per token, counted tensor by tensor (bf16 autocast)."""
     a = s.arch
     h, kv, i = a.hidden, a.kv_dim, a.intermediate
@@ -204,8 +240,10 @@ def layer_bytes_per_token(s: Setting) -> float:
     norms = 2 * (4 * h + residual * h)  # RMSNorm's fp32 input and its output, twice a layer
     rope = BF16 * (h + kv)  # q and k before rotation
     attention = BF16 * (2 * h + 2 * kv)  # q, k, v and the output (the fused kernels' logsumexp is small)
-    if s.attention not in ("varlen", "flash_attention_2", "flash_attention_3"):
-        attention += BF16 * 2 * (h - kv)  # k and v repeated to every query head (grouped-query attention)
+    if s.attention == "eager" or (s.attention == "sdpa" and mask_on):
+        # k and v repeated to every query head (grouped-query attention): SDPA takes the groups as they are only
+        # without a mask
+        attention += BF16 * 2 * (h - kv)
     mlp = 3 * BF16 * i  # gate, up and silu(gate)
     lora = 0.0
     dims = a.projections()
@@ -220,13 +258,20 @@ def layer_bytes_per_token(s: Setting) -> float:
     return float(norms + rope + attention + mlp + lora)
 
 
+def masked(s: Setting, batch: Batch) -> bool:
+    """Whether attention gets a materialized mask: padded rows, or a packed row's block-diagonal causality (the
+    varlen and flash kernels take the rows' boundaries instead)."""
+    return s.attention in ("sdpa", "eager") and (len(batch.rows) > 1 or s.packing)
+
+
 def counts(s: Setting, batch: Batch) -> dict[str, float]:
-    """Each term at coefficient 1, in GiB (the overhead's unit is 1 GiB)."""
+    """Each term at coefficient 1, in GiB (the overhead's unit is 1 GiB; the cache's, the transient tensors')."""
     a = s.arch
     layer_params = sum(i * o for i, o in a.projections().values())
     quantized = a.layers * layer_params * QUANT_BYTES[s.double_quant]
     other_params = a.vocab * a.hidden * (1 if a.tied else 2) + (2 * a.layers + 1) * a.hidden
-    other = other_params * (4 if s.upcast_non_quantized else BF16)
+    residual = 4 if s.upcast_non_quantized else BF16  # peft's fp32 embeddings keep the residual stream in fp32
+    other = other_params * residual
     dims = a.projections()
     lora_params = a.layers * sum(s.lora_r * sum(dims.get(n, (a.hidden, a.hidden))) for n in s.lora_targets)
     # bf16 adapters (trl casts them on a 4-bit base) and their gradients; the optimizer's two fp32 moments
@@ -234,33 +279,57 @@ def counts(s: Setting, batch: Batch) -> dict[str, float]:
     state = 0 if s.optim.startswith("paged") else (2 if "8bit" in s.optim else 8)
     lora = lora_params * (BF16 + BF16 + state)
     tokens = batch.tokens
-    per_layer = layer_bytes_per_token(s)
-    if s.checkpointing:  # each layer's input kept; one layer's activations at a time, recomputed in backward
-        activations = tokens * per_layer
-        inputs = a.layers * tokens * a.hidden * (4 if s.upcast_non_quantized else BF16)
-    else:
-        activations = a.layers * tokens * per_layer
-        inputs = 0.0
+    mask_on = masked(s, batch)
+    per_layer = layer_bytes_per_token(s, mask_on)
+    kept = 1 if s.checkpointing else a.layers  # layers whose activations are alive at once
+    activations = kept * tokens * per_layer
+    # under checkpointing each layer's input is kept (in the residual's dtype) and its activations recomputed
+    inputs = a.layers * tokens * a.hidden * residual if s.checkpointing else 0.0
+    stream = RESIDUAL_COPIES * tokens * a.hidden * residual
+    scores = a.heads * batch.square  # attention scores per layer, every head
+    attention = backward = 0.0
     if s.attention == "eager":
-        # per head and layer: the bf16 scores, their fp32 softmax (kept for its backward) and the bf16 probabilities
-        kept = a.layers if not s.checkpointing else 1
-        attention = a.heads * batch.square * (BF16 + 4 + BF16) * kept
-    else:
-        attention = 0.0
+        # kept for the backward: the fp32 softmax and the bf16 probabilities, of every layer (one, recomputed, under
+        # checkpointing); in one layer's backward: the bf16 gradient of the probabilities and the fp32 gradient
+        # through the softmax, on top of what that layer kept
+        attention = kept * scores * (4 + BF16)
+        backward = scores * (BF16 + 4)
     mask = 0.0
-    if s.attention in ("sdpa", "eager") and (len(batch.rows) > 1 or s.packing):
+    if mask_on and s.attention == "eager":
         mask = batch.square * BF16  # the additive mask (block-diagonal over a packed row), one per micro-batch
+    elif mask_on:
+        # SDPA: the boolean mask once, and the additive copy its memory-efficient kernel makes in each layer and keeps
+        # for that layer's backward
+        mask = batch.square * (1 + BF16 * kept)
     logits = 0.0 if s.fused_loss else tokens * a.vocab * 4
-    return {
+    found = {
         "quantized_weights": quantized / GIB,
         "other_weights": other / GIB,
         "lora_and_optimizer": lora / GIB,
         "activations": activations / GIB,
         "layer_inputs": inputs / GIB,
+        "residual_stream": stream / GIB,
         "attention": attention / GIB,
+        "attention_backward": backward / GIB,
         "attention_mask": mask / GIB,
         "logits_and_loss": logits / GIB,
         "allocator_overhead": 1.0,
+    }
+    found |= transient(s, found)
+    found["allocator_cache"] = found["cache_scores"] + found["cache_tensors"]
+    return found
+
+
+def transient(s: Setting, c: dict[str, float]) -> dict[str, float]:
+    """The tensors allocated and freed again within a step (GiB, from the counts `c`): in every layer, eager attention's
+    scores and their gradients (`cache_scores`); once a micro-batch, the mask and the logits (`cache_tensors`). The
+    caching allocator keeps blocks cut to their shapes; a later tensor reuses those it fits in, and one of other
+    shapes (random order with group_by_length off, a packed row's changing length) needs new blocks beside them: the
+    cache grows with these tensors, by how much the order decides."""
+    one_layer = c["attention"] / (1 if s.checkpointing else s.arch.layers)
+    return {
+        "cache_scores": one_layer + c["attention_backward"],
+        "cache_tensors": c["attention_mask"] + c["logits_and_loss"],
     }
 
 
@@ -268,7 +337,8 @@ def counts(s: Setting, batch: Batch) -> dict[str, float]:
 class Prediction:
     terms: dict[str, float]  # GiB per named term (peak reserved is their sum)
     context_gib: float
-    error: float  # the model's own relative error
+    error: float  # the most the model under-predicts, as a share of its prediction (measured <= (1 + error) x it)
+    error_over: float | None = None  # the most it over-predicts (measured >= it / (1 + error_over)); None: `error`
 
     @property
     def reserved_gib(self) -> float:
@@ -282,31 +352,55 @@ class Prediction:
         return self.device_gib <= card_gib
 
     def certainly_over(self, card_gib: float) -> bool:
-        """Beyond the card even if the model overestimates by its whole error."""
-        return self.reserved_gib * (1 - self.error) + self.context_gib > card_gib
+        """Beyond the card even if the model over-predicts by the most it was seen to."""
+        over = self.error if self.error_over is None else self.error_over
+        return self.reserved_gib / (1 + over) + self.context_gib > card_gib
+
+
+def terms(c: dict[str, float], coef: dict[str, float], expandable: bool) -> dict[str, float]:
+    """Each term in GiB from its count (`counts`) and the coefficients; the cache by its allocator's."""
+    scores, tensors, fixed = CACHE[expandable]
+    found = {n: c[n] * coef.get(n, 1.0) for n in TERMS}
+    found["allocator_cache"] = c["cache_scores"] * coef[scores] + c["cache_tensors"] * coef[tensors] + coef[fixed]
+    return found
+
+
+def allocator(s: Setting) -> str:
+    """The caching allocator a setting runs on, as the model's errors are keyed."""
+    return "expandable_segments" if s.expandable_segments else "default"
 
 
 @dataclass
 class MemoryModel:
     coefficients: dict[str, float] = field(default_factory=lambda: dict(DEFAULTS))
     context_gib: float = DEFAULT_CONTEXT_GIB
-    error: float = UNCALIBRATED_ERROR  # relative: max leave-one-out error on the calibration points
+    # The most it under-predicts, as a share of its prediction (the margin a "fits" needs), measured on settings it
+    # was not fitted to; `errors` per allocator where the points told them apart (the default allocator's cache
+    # depends on the order of the batch shapes, expandable segments' much less).
+    error: float = UNCALIBRATED_ERROR
+    error_over: float | None = None  # the most it over-predicts (None: `error`): what a predicted OOM must clear
+    errors: dict[str, list[float]] = field(default_factory=dict)  # allocator -> [error, error_over]
     points: int = 0
     stack: dict[str, str] = field(default_factory=dict)  # what the points were measured on
 
     def terms(self, s: Setting, batch: Batch) -> dict[str, float]:
-        c = counts(s, batch)
-        return {name: c[name] * self.coefficients.get(name, 1.0) for name in TERMS}
+        return terms(counts(s, batch), {**DEFAULTS, **self.coefficients}, s.expandable_segments)
+
+    def bounds(self, s: Setting) -> tuple[float, float | None]:
+        """(error, error_over) for a setting: its allocator's where known."""
+        under, over = self.errors.get(allocator(s)) or (self.error, self.error_over)
+        return under, over
 
     def predict(self, s: Setting, batch: Batch) -> Prediction:
-        return Prediction(self.terms(s, batch), self.context_gib, self.error)
+        return Prediction(self.terms(s, batch), self.context_gib, *self.bounds(s))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MemoryModel:
-        return cls(**{k: d[k] for k in ("coefficients", "context_gib", "error", "points", "stack") if k in d})
+        keys = ("coefficients", "context_gib", "error", "error_over", "errors", "points", "stack")
+        return cls(**{k: d[k] for k in keys if k in d})
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2))
@@ -318,68 +412,12 @@ class MemoryModel:
 
 @dataclass(frozen=True)
 class Point:
-    """A measured trial: its setting, the micro-batch at its peak, what it reserved and its CUDA context."""
+    """A measured trial: its setting, the micro-batch at its peak, what it reserved (and allocated, where known) and
+    its CUDA context."""
 
     setting: Setting
     batch: Batch
     reserved_gib: float
     context_gib: float | None = None
     label: str = ""
-
-
-# The pull toward first principles, against the squared relative errors: a prior of about +-60% on each coefficient
-# for points measured to about 2% (a coefficient the points do not tell, eager attention in a map without it,
-# stays at its first-principles value; one they tell moves freely).
-RIDGE = 1e-3
-
-
-def fit(points: list[Point], stack: dict[str, str] | None = None) -> MemoryModel:
-    """Coefficients that minimise the squared relative error over `points` (with a light pull toward the
-    first-principles values), the CUDA context as the points measured it, and the model's own error: the largest
-    leave-one-out relative error (so the error is what a setting the fit did not see can expect)."""
-    if not points:
-        return MemoryModel(stack=dict(stack or {}))
-    coef = _solve(points)
-    contexts = [p.context_gib for p in points if p.context_gib]
-    model = MemoryModel(
-        coefficients=coef,
-        context_gib=float(np.median(contexts)) if contexts else DEFAULT_CONTEXT_GIB,
-        points=len(points),
-        stack=dict(stack or {}),
-    )
-    if len(points) >= 3:
-        errors = []
-        for k in range(len(points)):
-            rest = points[:k] + points[k + 1 :]
-            held = MemoryModel(coefficients=_solve(rest))
-            p = points[k]
-            errors.append(abs(held.predict(p.setting, p.batch).reserved_gib / p.reserved_gib - 1))
-        model.error = max(max(errors), 0.02)
-    return model
-
-
-def _solve(points: list[Point]) -> dict[str, float]:
-    fixed = [n for n in TERMS if n not in FITTED]
-    rows, target = [], []
-    for p in points:
-        c = counts(p.setting, p.batch)
-        known = sum(c[n] for n in fixed)
-        rows.append([c[n] * DEFAULTS[n] / p.reserved_gib for n in FITTED])
-        target.append((p.reserved_gib - known) / p.reserved_gib)
-    # theta: each fitted coefficient relative to its default (1 = first principles)
-    x = np.asarray(rows)
-    y = np.asarray(target)
-    ridge = math.sqrt(RIDGE * len(points))
-    free = list(range(len(FITTED)))
-    theta = np.ones(len(FITTED))
-    for _ in range(len(FITTED)):  # non-negative: a coefficient that goes below 0 is pinned at 0 and the rest refit
-        a = np.vstack([x[:, free], ridge * np.eye(len(free))])
-        b = np.concatenate([y, ridge * np.ones(len(free))])
-        solved, *_ = np.linalg.lstsq(a, b, rcond=None)
-        theta[free] = solved
-        negative = [f for f, v in zip(free, solved, strict=True) if v < 0]
-        if not negative:
-            break
-        theta[negative] = 0.0
-        free = [f for f in free if f not in negative]
-    return {n: float(DEFAULTS[n] * t) for n, t in zip(FITTED, theta, strict=True)}
+    allocated_gib: float | None = None

@@ -23,6 +23,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
+from src import knobs
+from src.config import override_value
 from src.fit.model import Prediction
 
 SEQ = "data.max_seq_length"
@@ -50,6 +54,24 @@ class Candidate:
         if self.length != recipe_length:
             parts.append(f"max_seq_length={self.length}")
         return " + ".join(["recipe", *parts])
+
+
+def levers(config: DictConfig, recipe_params: dict[str, Any]) -> list[list[str]]:
+    """One override per registered lever that would change the recipe; knobs the sweep varies are left to the map."""
+    found = []
+    for knob in knobs.levers():
+        if knob.key in recipe_params:
+            continue
+        current = OmegaConf.select(config, knob.key)
+        if knob.lever == "half":
+            if not isinstance(current, int) or current < 2:
+                continue
+            value = current // 2
+        else:
+            value = knob.lever
+        if value != current:
+            found.append([f"{knob.key}={override_value(value)}"])
+    return found
 
 
 def lever_words(override: str) -> str:

@@ -1,7 +1,7 @@
 """The memory model in the sweep: every trial's setting gets a predicted peak before it is launched (recorded on the
-trial and its run, so the report sets it against what was measured); a setting predicted beyond the budget by more
-than the model's own error is not launched (`skipped`, reason `predicted_oom`); on a grid, the settings nearest the
-budget's edge are queued first.
+trial and its run, so the report sets it against what was measured); a setting predicted beyond the budget even if
+the model over-predicts by the most it was seen to (its `error_over`) is not launched (`skipped`, reason
+`predicted_oom`); on a grid, the settings nearest the budget's edge are queued first.
 
 `hydra.sweeper.memory_model`: `auto` fits the model to the measured trials of this stack in the MLflow store (the
 sweep's own included, refitted as they finish) and skips only once at least `MIN_POINTS` were measured; `predict`
@@ -10,17 +10,15 @@ records predictions and never skips; `off` does neither; a path names a fitted m
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from src.fit.calibration import MIN_POINTS, calibrated, current_stack, vocab_fallback
+from src.fit.calibration import MIN_POINTS, calibrated, configured, current_stack, vocab_fallback
 from src.fit.model import MemoryModel, Prediction, Setting, peak_batch
 from src.sweep.space import SpaceError
 
@@ -72,20 +70,8 @@ class MemoryGate:
     def setting(self, overrides: list[str]) -> Setting | None:
         """The trial's setting: the sweep's config with the trial's dotted overrides applied; None where that
         config cannot be built here (a value of the wrong type: the trial itself reports it as config_error)."""
-        cfg = copy.deepcopy(self.base)  # DictConfig.copy() is shallow: an update would reach the sweep's config
         try:
-            with open_dict(cfg):
-                for override in overrides:
-                    key, equals, text = override.partition("=")
-                    key = key.lstrip("+~")
-                    if "." not in key or not equals:
-                        continue  # a config group choice: already composed into the sweep's config
-                    try:
-                        value = yaml.safe_load(text)
-                    except yaml.YAMLError:
-                        value = text
-                    OmegaConf.update(cfg, key, value, force_add=True)
-            return Setting.from_config(cfg, vocab_fallback=vocab_fallback(cfg))
+            return Setting.from_config(configured(self.base, overrides), vocab_fallback=vocab_fallback(self.base))
         except Exception as exc:  # no prediction; the trial still runs and says what is wrong
             log.debug("memory model: no setting for %s (%s)", overrides, exc)
             return None
@@ -109,7 +95,7 @@ class MemoryGate:
         return self.active and (self.stack is not None or (self.fitted_on < 0 and current_stack() is not None))
 
     def skips(self, prediction: Prediction | None) -> bool:
-        """Beyond the budget by more than the model's own error, from a model that may decide."""
+        """Beyond the budget even if the model over-predicts by its `error_over`, from a model that may decide."""
         if prediction is None or self.mode in ("predict", "off") or self.model is None:
             return False
         if self.mode == "auto" and (self.stack is None or self.model.points < MIN_POINTS):

@@ -9,11 +9,10 @@ import json
 from typing import Any
 
 import optuna
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from src import knobs
-from src.config import override_value
 from src.failures import MEMORY
+from src.fit.recommend import levers  # the recipe's levers: one rule for the sweep and `python -m src.fit --card`
 from src.record import (  # LEVER: a lever trial's overrides (JSON list); the recipe trial's number
     LEVER,
     LEVER_OF,
@@ -25,24 +24,6 @@ from src.record import (  # LEVER: a lever trial's overrides (JSON list); the re
 def lever_overrides(trial: Any) -> list[str]:
     """The overrides a trial adds to its params ([] for any trial but a lever's)."""
     return json.loads(getattr(trial, "user_attrs", {}).get(LEVER, "[]"))
-
-
-def levers(config: DictConfig, recipe_params: dict[str, Any]) -> list[list[str]]:
-    """One override per registered lever that would change the recipe; knobs the sweep varies are left to the map."""
-    found = []
-    for knob in knobs.levers():
-        if knob.key in recipe_params:
-            continue
-        current = OmegaConf.select(config, knob.key)
-        if knob.lever == "half":
-            if not isinstance(current, int) or current < 2:
-                continue
-            value = current // 2
-        else:
-            value = knob.lever
-        if value != current:
-            found.append([f"{knob.key}={override_value(value)}"])
-    return found
 
 
 def queue_levers(study: optuna.Study, config: DictConfig, recipe: optuna.trial.FrozenTrial) -> list[list[str]]:

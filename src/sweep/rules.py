@@ -86,10 +86,11 @@ class Skip:
 
 
 def predicted_skip(prediction: Any, budget: float) -> Skip:
-    """The memory model puts the setting beyond the budget by more than its own error: its predicted violation is
-    its constraint record, so the sampler learns the region as it would from an OOM."""
+    """The memory model puts the setting beyond the budget even if it over-predicts by the most it was seen to: its
+    predicted violation is its constraint record, so the sampler learns the region as it would from an OOM."""
+    over = prediction.error if prediction.error_over is None else prediction.error_over
     reason = (
-        f"predicted oom: {prediction.device_gib:.1f} GiB on the card (model error ±{prediction.error:.0%}) "
+        f"predicted oom: {prediction.device_gib:.1f} GiB on the card (the model over-predicts by at most {over:.0%}) "
         f"for a {budget:g} GiB budget"
     )
     return Skip(
