@@ -24,6 +24,7 @@ measured; any failure, an import error included, is written there with its kind 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -230,14 +231,18 @@ def versions() -> dict[str, str]:
 
 def useful_work(args: argparse.Namespace, record: dict, state: dict) -> Any:
     """A trainer callback that records, per optimizer step: the real sequence lengths each micro-batch's forward
-    received (a hook on the model, which runs once per micro-batch: checkpointing's recompute runs the layers, not the
-    model), their tokens and useful FLOPs, and torch's reserved peak so far; it stops training past --stop-after-s
-    and rewrites --out after each step. Defined here, not at the module's top: transformers must come after Unsloth."""
+    received, their tokens and useful FLOPs, and torch's reserved peak so far; it stops training past --stop-after-s
+    and rewrites --out after each step. Defined here, not at the module's top: transformers must come after Unsloth.
+
+    The lengths come from a hook on the model's forward, which runs once per micro-batch (checkpointing recomputes
+    layers, not the model). A library may call a wrapper's `forward` directly, which runs no hook: so the wrappers
+    inside (peft's LoraModel, the causal LM, its decoder) are hooked too, and each step is counted at the outermost
+    level that ran (`lengths_from`)."""
     from transformers import TrainerCallback
 
     class UsefulWork(TrainerCallback):
         def __init__(self) -> None:
-            self.pending: list[list[int]] = []
+            self.pending: dict[int, list[list[int]]] = {}
             self.extra: list[dict] = []
             self.params, self.layers, self.width = 0.0, 0, 0
 
@@ -249,23 +254,29 @@ def useful_work(args: argparse.Namespace, record: dict, state: dict) -> Any:
             self.width = int(config.num_attention_heads * head_dim)
             record["model_params_matmul"] = self.params
             record["startup_s"] = time.time() - STARTED
-            model.register_forward_pre_hook(self.hook, with_kwargs=True)
+            level, seen = model, set()
+            while level is not None and id(level) not in seen and len(seen) < 4:  # model, LoraModel, LM, decoder
+                seen.add(id(level))
+                level.register_forward_pre_hook(functools.partial(self.hook, len(seen) - 1), with_kwargs=True)
+                level = getattr(level, "base_model", None) if len(seen) == 1 else getattr(level, "model", None)
 
-        def hook(self, module: Any, inputs: Any, kwargs: dict) -> None:
+        def hook(self, level: int, module: Any, inputs: Any, kwargs: dict) -> None:
             import torch
 
             if torch.is_grad_enabled():
                 lengths = row_lengths(kwargs)
                 if lengths is not None:
-                    self.pending.append(lengths)
+                    self.pending.setdefault(level, []).append(lengths)
 
         def on_step_end(self, _args: Any, _state: Any, control: Any, **kwargs: Any) -> None:
             import torch
 
-            lengths = [n for batch in self.pending for n in batch]
-            entry = {"hook_tokens": sum(lengths), "micro_batches": len(self.pending), "sequences": len(lengths),
-                     "flops": useful_flops(self.params, self.layers, self.width, lengths)}  # fmt: skip
-            self.pending = []
+            level = min(self.pending, default=None)
+            batches = self.pending.get(level, []) if level is not None else []
+            lengths = [n for batch in batches for n in batch]
+            entry = {"hook_tokens": sum(lengths), "micro_batches": len(batches), "sequences": len(lengths),
+                     "lengths_from": level, "flops": useful_flops(self.params, self.layers, self.width, lengths)}  # fmt: skip
+            self.pending = {}
             if torch.cuda.is_available():
                 entry["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 1024**3
             self.extra.append(entry)

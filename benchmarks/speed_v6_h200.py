@@ -1,12 +1,12 @@
 """Speed v6, the peer side by side (issue 31): this project's best stable setting, Unsloth's QLoRA, plain peft+trl and
 the user's recipe, in one run on the GPU machine, on the same synthetic Llama-3-8B, the same data, the same 24 GiB cap.
 
-    python -m benchmarks.speed_v6_h200 run [--deadline-s 480] [--unsloth-wheels DIR] [--only ARM ...]   # on the GPU
+    python -m benchmarks.speed_v6_h200 run [--deadline-s 470] [--unsloth-wheels DIR] [--only ARM ...]   # on the GPU
     python -m benchmarks.speed_v6_h200 summarize FILE                     # here: the summary again from the arms
 
 On the lent H200 through benchmarks/memory_h200.sh (a session of its own; what it wrote comes back through $OUT):
-    MODULE=benchmarks.speed_v6_h200 COPY=/tmp/speed_v6_run COLLECT=speed_v6_h200.json LOGS=speed_v6 WAIT=510 \
-      bash benchmarks/memory_h200.sh --deadline-s 480 --unsloth-wheels "$PWD/.whl_unsloth"
+    MODULE=benchmarks.speed_v6_h200 COPY=/tmp/speed_v6_run COLLECT=speed_v6_h200.json LOGS=speed_v6 WAIT=505 \
+      bash benchmarks/memory_h200.sh --deadline-s 470 --unsloth-wheels "$PWD/.whl_unsloth"
 (carry [".whl", ".whl_unsloth"]: benchmarks/gpu_wheels.sh and benchmarks/unsloth_wheels.sh fill them).
 
 `run`, in one process: the card's bf16 matmul rate (the denominator of MFU, `benchmarks.matmul_rate`), the model
@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULT = "speed_v6_h200.json"
 STEP_LINE = re.compile(r"step (\d+): (\{.*\})\s*$")  # src/measure/progress.py's per-step log line
 BUDGET_GIB = 24.0
-BASE = ["model=llama3_8b_synthetic", "data=clinical_notes", f"hardware.vram_budget_gib={BUDGET_GIB:g}"]
+MODEL = "llama3_8b_synthetic"
+BASE = ["data=clinical_notes", f"hardware.vram_budget_gib={BUDGET_GIB:g}"]
 # The long notes reach 4024 tokens: nothing is cut at 4096; the recipe's 1024 cuts 13% of the answers (measured, said).
 PROBE = ["preflight.max_truncated_answer_frac=1.0"]
 # README's speed table, last row: the fastest stable setting measured so far (10,293 tokens/s, 15.76 GiB).
@@ -96,22 +97,24 @@ class Arm:
     windows: int = 3
     same_recipe: bool = True  # trains what the user's recipe trains (its LoRA dropout included)
     candidate: bool = False  # this project's setting, eligible as the summary's best (the recipe itself is not)
-    notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def max_steps(self) -> int:
         return self.warmup_steps + self.window_steps * self.windows
 
 
+# Times on the H200 (NOTES §11): a forked trial starts in ~5 s, a fresh interpreter imports the stack in ~20 s; loading
+# the 8B from bf16 and quantizing it ~20 s; packed 4096 x 4 x 2 is ~31 k tokens a step (~3 s at 10 k tokens/s).
 ARMS: tuple[Arm, ...] = (
     Arm(
         "d",
         "this project's best stable setting: packed 4096 x 4, varlen, compiled layers, bf16 rest, checkpointing",
         "project",
         overrides=tuple(BEST),
-        estimate_s=100,
-        limit_s=200,
+        estimate_s=95,  # start 5, load 5, compiling ~40 (first steps), 9 measured steps ~30
+        limit_s=180,
         warmup_steps=4,  # compiles in its first steps (and again as packed lengths first change)
+        window_steps=3,
         candidate=True,
     ),
     Arm(
@@ -120,9 +123,10 @@ ARMS: tuple[Arm, ...] = (
         "+ SFTTrainer, packed 4096 x 4",
         "peer",
         argv=("--stack", "unsloth", *PEER),
-        estimate_s=150,
-        limit_s=260,
-        warmup_steps=3,  # Unsloth compiles and autotunes its kernels in its first steps
+        estimate_s=170,  # imports ~20, Unsloth's patching ~30, load and quantize ~30, kernels' JIT ~30, 11 steps ~40
+        limit_s=240,
+        warmup_steps=2,  # Unsloth JIT-compiles its Triton kernels in its first steps
+        window_steps=3,
         same_recipe=False,
     ),
     Arm(
@@ -130,19 +134,29 @@ ARMS: tuple[Arm, ...] = (
         "plain peft + trl at b's setting (4-bit NF4, LoRA dropout 0, packed 4096 x 4, trl's padding-free SDPA)",
         "peer",
         argv=("--stack", "peft", *PEER),
-        estimate_s=110,
-        limit_s=200,
+        estimate_s=110,  # imports ~20, load and quantize ~25, 7 steps of ~9 s (SDPA over a block-diagonal mask)
+        limit_s=160,
+        warmup_steps=1,
+        window_steps=2,
         same_recipe=False,
     ),
-    Arm("a", "the user's recipe (max_seq_length 1024, eager, no checkpointing)", "project", estimate_s=25, limit_s=90),
+    Arm(
+        "a",
+        "the user's recipe (max_seq_length 1024, eager, no checkpointing, fp32 copies of the non-quantized weights)",
+        "project",
+        estimate_s=25,  # OOMs at its first step (README): start, load, one step
+        limit_s=60,
+        window_steps=3,
+    ),
     Arm(
         "d_nodrop",
         "d with LoRA dropout 0: the adapter Unsloth trains (a recipe change, compared only)",
         "project",
         overrides=(*BEST, "lora.lora_dropout=0.0"),
-        estimate_s=100,
-        limit_s=200,
+        estimate_s=95,
+        limit_s=180,
         warmup_steps=4,
+        window_steps=3,
         same_recipe=False,
     ),
 )
@@ -398,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "budget_gib": BUDGET_GIB,
         "data": "data=clinical_notes",
-        "model": "model=llama3_8b_synthetic",
+        "model": f"model={args.model}",
         "mfu_counting": MFU_COUNTING,
         "arms": {},
     }
@@ -414,11 +428,10 @@ def run(args: argparse.Namespace) -> int:
     peak = result["matmul"].get("bf16_tflops")
     unsloth_site = Path(args.unsloth_site)
     installing = install_unsloth(args.unsloth_wheels, unsloth_site, logs / "unsloth_install.log")
-    rc, result["build_s"] = sh([sys.executable, "-m", "src.models", "model=llama3_8b_synthetic"], logs / "build.log")
+    rc, result["build_s"] = sh([sys.executable, "-m", "src.models", f"model={args.model}"], logs / "build.log")
     result["unsloth_install"] = finish_install(installing, args.unsloth_wheels)
     print(f"matmul {peak} TFLOP/s; model built in {result['build_s']:.0f}s (rc {rc}); "
           f"unsloth: {result['unsloth_install']}", flush=True)  # fmt: skip
-    result["machine"] = system_tags()
     save()
     ctx = launcher.forkserver(list(launcher.DEFAULT_PRELOAD))
     for arm in select(args.only):
@@ -428,9 +441,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{arm.name}: not run (deadline)", flush=True)
             continue
         if arm.kind == "project":
-            raw = project_arm(arm, root, logs, budget_s, ctx)
+            raw = project_arm(arm, args.model, root, logs, budget_s, ctx)
         else:
-            raw = peer_arm(arm, root, logs, budget_s, unsloth_site, result["unsloth_install"])
+            raw = peer_arm(arm, args.model, logs, budget_s, unsloth_site, result["unsloth_install"])
         raw["figures"] = figures(raw, peak)
         result["arms"][arm.name] = raw
         f = raw["figures"]
@@ -438,6 +451,7 @@ def run(args: argparse.Namespace) -> int:
               f"mfu {f.get('mfu')}, {raw.get('peak_vram_reserved_gib')} GiB reserved, "
               f"{raw.get('peak_vram_device_gib')} GiB NVML, {raw.get('wall_s', 0):.0f}s", flush=True)  # fmt: skip
         save()
+    result["machine"] = system_tags()  # creates a CUDA context here: after the arms, which have the card alone
     save()
     print(json.dumps(result["summary"], indent=2, default=str), flush=True)
     return 0
@@ -459,12 +473,12 @@ def finish_install(installing: subprocess.Popen | str, wheels: str | None) -> st
     return "installed" if rc == 0 else f"pip install of {wheels} failed (exit {rc}): see speed_v6/unsloth_install.log"
 
 
-def project_arm(arm: Arm, root: Path, logs: Path, budget_s: float, ctx: Any) -> dict:
+def project_arm(arm: Arm, model: str, root: Path, logs: Path, budget_s: float, ctx: Any) -> dict:
     """An arm through this project's trial path (`python -m src.train`, forked as a sweep's trials are)."""
     from benchmarks.map_h200 import run_trial
 
     run_dir = logs / arm.name
-    argv = [*BASE, *PROBE, *arm.overrides, f"trainer.max_steps={arm.max_steps}",
+    argv = [f"model={model}", *BASE, *PROBE, *arm.overrides, f"trainer.max_steps={arm.max_steps}",
             f"measure.warmup_steps={arm.warmup_steps}", f"hydra.run.dir={run_dir}"]  # fmt: skip
     rc, wall = run_trial(argv, logs / f"{arm.name}.log", budget_s, ctx)
     raw: dict[str, Any] = {"what": arm.what, "command": "python -m src.train " + " ".join(argv[:-1]),
@@ -498,7 +512,7 @@ def project_arm(arm: Arm, root: Path, logs: Path, budget_s: float, ctx: Any) -> 
     return raw
 
 
-def peer_arm(arm: Arm, root: Path, logs: Path, budget_s: float, unsloth_site: Path, install: str) -> dict:
+def peer_arm(arm: Arm, model: str, logs: Path, budget_s: float, unsloth_site: Path, install: str) -> dict:
     """An arm through `benchmarks.peer_arm` in a fresh interpreter; Unsloth's with its own environment first on
     PYTHONPATH (its trl and datasets ahead of the project's)."""
     stack = arm.argv[arm.argv.index("--stack") + 1]
@@ -510,7 +524,7 @@ def peer_arm(arm: Arm, root: Path, logs: Path, budget_s: float, unsloth_site: Pa
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(unsloth_site), env.get("PYTHONPATH", "")) if p)
     out_file = logs / f"{arm.name}.json"
     out_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.peer_arm", *arm.argv, "--out", str(out_file),
+    cmd = [sys.executable, "-m", "benchmarks.peer_arm", *arm.argv, "--model", model, "--out", str(out_file),
            "--max-steps", str(arm.max_steps), "--warmup-steps", str(arm.warmup_steps),
            "--stop-after-s", f"{budget_s - 20:.0f}", "--output-dir", str(logs / f"{arm.name}_trainer")]  # fmt: skip
     start = time.time()
@@ -524,7 +538,15 @@ def peer_arm(arm: Arm, root: Path, logs: Path, budget_s: float, unsloth_site: Pa
             rc = 124 if rc < 0 else rc
     raw.update(command=" ".join(["python -m benchmarks.peer_arm", *arm.argv]), exit_code=rc, wall_s=time.time() - start)
     if out_file.exists():
-        return {**raw, **json.loads(out_file.read_text())}
+        measured = {**raw, **json.loads(out_file.read_text())}
+        if rc == 124 and not measured.get("failure"):  # killed between two of its steps: what it measured is kept
+            measured["status"] = "failed"
+            measured["failure"] = {
+                "kind": "timeout",
+                "message": f"killed at its limit of {budget_s:.0f} s",
+                "step": None,
+            }
+        return measured
     from src.failures import classify_exit
 
     tail = (logs / f"{arm.name}.log").read_text(errors="replace")[-2000:]
@@ -551,11 +573,12 @@ def main() -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument(
-        "--deadline-s", type=float, default=480, help="no arm starts unless it fits before this (from start)"
+        "--deadline-s", type=float, default=470, help="no arm starts unless it fits before this (from start)"
     )
     r.add_argument("--unsloth-wheels", default=None, help="folder of Unsloth's wheels (benchmarks/unsloth_wheels.sh)")
     r.add_argument("--unsloth-site", default="/tmp/site_unsloth", help="where they are installed (--target)")
     r.add_argument("--only", nargs="*", default=None, choices=[a.name for a in ARMS])
+    r.add_argument("--model", default=MODEL, help="a model= option (tiny_llama: a dry run of the plumbing on a CPU)")
     s = sub.add_parser("summarize")
     s.add_argument("file", type=Path)
     args = p.parse_args()

@@ -179,7 +179,7 @@ def test_the_peer_harness_measures_a_real_training_as_a_trial_does(root: Path, m
     for s in record["steps"]:
         assert s["tokens"] == s["trainer_tokens"] == s["hook_tokens"] > 0, "the trainer's tokens, seen by the hook"
         assert s["flops"] == pytest.approx(s["flops_src_counter"]), "the project's FlopCounter counts the same"
-        assert s["micro_batches"] == 2
+        assert s["micro_batches"] == 2 and s["lengths_from"] == 0, "counted once, at the outermost forward"
     measured = record["steps"][1:]
     assert record["flops_per_token"] == pytest.approx(sum(s["flops"] for s in measured) / sum(s["tokens"] for s in
                                                                                                measured))  # fmt: skip
