@@ -22,7 +22,7 @@ process of its own, while the deadline leaves it time (`plan`):
   a         the user's recipe (it OOMs at step 1 at 1024 tokens on 24 GiB: recorded as such);
   d_nodrop  d with LoRA dropout 0, the adapter b trains (a recipe change: compared, never the best setting).
 Every arm is measured the same way: per optimizer step, its seconds (synchronized) and non-padding tokens; tokens/s is
-the median over >= 3 windows of `--window-steps` steps after `warmup_steps`; peaks are torch's allocator (reserved)
+the median over >= 3 windows of each arm's `window_steps` steps after its `warmup_steps`; peaks are torch's allocator (reserved)
 and NVML's (the whole process); MFU is one formula for every arm (`mfu`: tokens/s x useful FLOPs per token / the card's
 measured rate; useful FLOPs counted by `useful_flops`, which is src/measure/flops.py's FlopCounter formula, the one
 the project's own trials use: tests/test_speed_v6.py shows they agree). The result file is rewritten after every arm
@@ -294,16 +294,15 @@ def summary(arms: dict[str, dict], order: Sequence[Arm] = ARMS) -> dict:
     """The summary issue 31's Done-when names, from the arms' records (each with its `figures`).
 
     best_*: the fastest arm that is this project's and trains the user's recipe (d: not d_nodrop, whose dropout is
-    a recipe change), measured over >= 3 windows within the budget; vs_unsloth: its tokens/s over Unsloth's in the
-    same run (null, with `unsloth_error`, where Unsloth did not train)."""
+    a recipe change) and finished (`best_windows_ok`: over >= 3 windows); vs_unsloth: its tokens/s over Unsloth's in
+    the same run (null, with `unsloth_error`, where Unsloth did not train). Only arms that finished count."""
     by_name = {a.name: a for a in order}
     ours = [
         (name, rec)
         for name, rec in arms.items()
-        if name in by_name and by_name[name].candidate and by_name[name].same_recipe
-        and rec.get("status") == "ok" and rec.get("figures", {}).get("tokens_per_s")
+        if name in by_name and by_name[name].candidate and by_name[name].same_recipe and _rate(rec)
     ]  # fmt: skip
-    best_name, best = max(ours, key=lambda x: x[1]["figures"]["tokens_per_s"], default=(None, None))
+    best_name, best = max(ours, key=lambda x: _rate(x[1]), default=(None, None))
     out: dict[str, Any] = {
         "best_arm": best_name,
         "best_setting": list(by_name[best_name].overrides) if best_name else None,
@@ -312,8 +311,10 @@ def summary(arms: dict[str, dict], order: Sequence[Arm] = ARMS) -> dict:
         "best_peak_vram_reserved_gib": best.get("peak_vram_reserved_gib") if best else None,
         "best_windows_ok": best["figures"].get("windows_ok") if best else None,
     }
+    if best and best.get("peak_vram_reserved_gib") is not None:  # the report's stable: >= 10% of the budget left
+        out["best_headroom_frac"] = 1 - best["peak_vram_reserved_gib"] / BUDGET_GIB
     uns = arms.get("b") or {}
-    uns_rate = uns.get("figures", {}).get("tokens_per_s") if uns.get("status") == "ok" else None
+    uns_rate = _rate(uns)
     if uns_rate:
         out["unsloth_tokens_per_s"] = uns_rate
         out["unsloth_mfu"] = uns["figures"].get("mfu")
@@ -322,9 +323,9 @@ def summary(arms: dict[str, dict], order: Sequence[Arm] = ARMS) -> dict:
         out["unsloth_tokens_per_s"] = None
         out["unsloth_error"] = _why_not(uns)
     out["vs_unsloth"] = out["best_tokens_per_s"] / uns_rate if uns_rate and out["best_tokens_per_s"] else None
-    same = arms.get("d_nodrop", {}).get("figures", {}).get("tokens_per_s")
+    same = _rate(arms.get("d_nodrop") or {})
     out["vs_unsloth_same_adapter"] = same / uns_rate if same and uns_rate else None
-    plain = arms.get("c", {}).get("figures", {}).get("tokens_per_s")
+    plain = _rate(arms.get("c") or {})
     out["plain_peft_trl_tokens_per_s"] = plain
     out["vs_plain_peft_trl"] = out["best_tokens_per_s"] / plain if plain and out["best_tokens_per_s"] else None
     recipe = arms.get("a") or {}
@@ -340,6 +341,11 @@ def summary(arms: dict[str, dict], order: Sequence[Arm] = ARMS) -> dict:
     }
     out["targets"] = targets(out)
     return out
+
+
+def _rate(arm: dict) -> float | None:
+    """An arm's tokens/s where it finished (a run cut short keeps its steps in the file, not in the comparison)."""
+    return arm.get("figures", {}).get("tokens_per_s") if arm.get("status") == "ok" else None
 
 
 def _why_not(arm: dict) -> str:

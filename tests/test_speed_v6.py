@@ -107,6 +107,9 @@ def test_the_summary_holds_the_issue_s_keys_and_compares_this_project_s_best_wit
     assert s["vs_unsloth"] == pytest.approx(1.25) and s["vs_unsloth_same_adapter"] == pytest.approx(11 / 8)
     assert s["vs_plain_peft_trl"] == pytest.approx(2.5) and "unsloth_error" not in s
     assert s["recipe_outcome"] == "failed: oom at step 1"
+    assert s["best_headroom_frac"] == pytest.approx(1 - 15.8 / 24), "stable: more than 10% of the budget left"
+    cut = v6.summary({**arms, "c": {**_arm(4_000), "status": "failed", "failure": {"kind": "timeout"}}})
+    assert cut["vs_plain_peft_trl"] is None, "an arm cut short keeps its steps in the file, not in the comparison"
     assert s["map_settings"] is None and "map_settings" in s["not_measured"]
     assert s["targets"]["best_tokens_per_s"] == {"goal": ">= 12000", "value": 10_000, "met": False, "missed_by": 2000}
     assert s["targets"]["vs_unsloth"]["met"] is True and s["targets"]["best_peak_vram_reserved_gib"]["met"] is True
