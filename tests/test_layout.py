@@ -1,7 +1,7 @@
 """The layout holds: every module of src/ says what it owns; no two modules import each other (directly or round a
 loop, an import of `a.b.c` counting as one of the packages `a.b` whose `__init__` it runs); no import runs up a floor
-(FLOORS); no module imports another's private name; and private attributes of other libraries are reached only
-where no public API exists, each named here."""
+(FLOORS); no module imports another's private name; no module or class outgrows one reading; and private attributes
+of other libraries are reached only where no public API exists, each named here."""
 
 from __future__ import annotations
 
@@ -168,3 +168,22 @@ def test_the_readmes_layout_table_names_every_module() -> None:
         if not named:
             missing.append(name)
     assert not missing, f"modules the README's layout table does not name: {missing}"
+
+
+# How big a module or a class may grow before it is split (issue 27): a file read in one sitting, a class whose
+# methods fit in one head.
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 250
+
+
+def test_no_module_or_class_outgrows_one_reading() -> None:
+    too_big = []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(PROJECT_DIR)
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            too_big.append(f"{where}: {lines} lines (at most {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and (size := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
+                too_big.append(f"{where}: class {node.name} is {size} lines (at most {MAX_CLASS_LINES})")
+    assert not too_big, "split these: " + "; ".join(too_big)
