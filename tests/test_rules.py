@@ -206,7 +206,10 @@ def test_a_setting_predicted_beyond_the_budget_by_more_than_the_models_error_is_
     skip = gate.decide(study, big, [f"{k}={v}" for k, v in big.params.items()], "run-4", runs)
     assert (skip.why, skip.failure_kind) == ("predicted_oom", "oom") and skip.original is None
     assert infeasible(skip.constraints) and skip.constraints[0] == pytest.approx(40.5 / BUDGET - 1)
-    assert skip.reason == "predicted oom: 40.5 GiB on the card (model error ±10%) for a 24 GiB budget"
+    assert (
+        skip.reason
+        == "predicted oom: 40.5 GiB on the card (the model over-predicts by at most 10%) for a 24 GiB budget"
+    )
     small = _proposal(study, per_device_train_batch_size=2)
     assert gate.decide(study, small, [f"{k}={v}" for k, v in small.params.items()], "run-2", runs) is None
     assert small.user_attrs["predicted_peak_vram_device_gib"] == pytest.approx(20.5)
