@@ -19,6 +19,9 @@ class Knob:
     # The value that saves memory on a recipe that does not fit (a "lever" the sweep tries on the user's recipe);
     # None: not a lever. "half" halves a number (a batch).
     lever: Any = None
+    # A lever that only moves a CUDA device's memory (the caching allocator's settings): not tried where the trials
+    # run on a CPU, where it would measure nothing.
+    cuda_only: bool = False
     # What the data says of a value, recorded on every trial before it runs (src/sweep/checks.py SpaceFacts):
     # "truncation" (the shares of rows and answers a max_seq_length cuts); None: nothing.
     fact: str | None = None
@@ -45,7 +48,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("model.upcast_non_quantized", "fp32_rest", lever=False),  # bf16 embeddings, norms and lm_head
     Knob("model.sdpa_backends", "sdpa"),
     # true needs no more than false: segments grown in place leave fewer cached blocks unusable (fragmentation)
-    Knob("hardware.expandable_segments", "expandable", "decreasing", lever=True),
+    Knob("hardware.expandable_segments", "expandable", "decreasing", lever=True, cuda_only=True),
     Knob("fault.kind", "fault"),
 )
 BY_KEY: dict[str, Knob] = {k.key: k for k in KNOBS}

@@ -114,6 +114,8 @@ def test_a_recipe_that_does_not_fit_gets_its_memory_levers_measured(root: Path, 
     from src.sweep.process import Outcome
 
     seen: dict[int, list[str]] = {}
+    # the stand-in trials are a card's: the allocator's lever is tried (a CPU sweep leaves it out, test below)
+    monkeypatch.setattr("src.sweep.recipe.devices", lambda sweeper: [0])
 
     def process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
         seen[int(env["QLORA_OPTUNA_TRIAL"])] = overrides
@@ -157,6 +159,18 @@ def test_a_recipe_that_does_not_fit_gets_its_memory_levers_measured(root: Path, 
     assert levers[("model.upcast_non_quantized=false",)].user_attrs["failure.kind"] == "oom"
     # not skipped as a repeat or a certain OOM of the recipe: a lever changes what the params do not show
     assert all(t.user_attrs["trial.status"] != "skipped" for t in levers.values())
+
+
+def test_the_allocators_lever_is_tried_only_where_the_trials_run_on_a_card() -> None:
+    """`hardware.expandable_segments` moves only a CUDA device's memory: a sweep on the CPU does not spend a trial on
+    it; with a card (here `hydra.sweeper.devices=[0]`) it is one of the levers."""
+    from src.sweep import recipe
+
+    expandable = ["hardware.expandable_segments=true"]
+    on_cpu = recipe.levers(compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.devices=[]"]), {})
+    on_card = recipe.levers(compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.devices=[0]"]), {})
+    assert ["trainer.gradient_checkpointing=true"] in on_cpu and expandable not in on_cpu
+    assert on_card == [*on_cpu, expandable]
 
 
 def test_a_sweep_measures_what_each_length_cuts_instead_of_refusing_it(root: Path, monkeypatch) -> None:

@@ -56,11 +56,12 @@ class Candidate:
         return " + ".join(["recipe", *parts])
 
 
-def levers(config: DictConfig, recipe_params: dict[str, Any]) -> list[list[str]]:
-    """One override per registered lever that would change the recipe; knobs the sweep varies are left to the map."""
+def levers(config: DictConfig, recipe_params: dict[str, Any], cuda: bool = True) -> list[list[str]]:
+    """One override per registered lever that would change the recipe; knobs the sweep varies are left to the map,
+    and a CUDA allocator's lever to CUDA devices (`cuda`: the trials run on one)."""
     found = []
     for knob in knobs.levers():
-        if knob.key in recipe_params:
+        if knob.key in recipe_params or (knob.cuda_only and not cuda):
             continue
         current = OmegaConf.select(config, knob.key)
         if knob.lever == "half":

@@ -12,13 +12,20 @@ import optuna
 from omegaconf import DictConfig
 
 from src.failures import MEMORY
-from src.fit.recommend import levers  # the recipe's levers: one rule for the sweep and `python -m src.fit --card`
+from src.fit import recommend
 from src.record import (  # LEVER: a lever trial's overrides (JSON list); the recipe trial's number
     LEVER,
     LEVER_OF,
     recorded_kind,
     status,
 )
+from src.sweep.slots import devices
+
+
+def levers(config: DictConfig, recipe_params: dict[str, Any]) -> list[list[str]]:
+    """The recipe's levers (one rule for the sweep and `python -m src.fit --card`), on the device the sweep's trials
+    run on: a CPU sweep does not try the CUDA allocator's."""
+    return recommend.levers(config, recipe_params, cuda=bool(devices(config.hydra.sweeper)))
 
 
 def lever_overrides(trial: Any) -> list[str]:

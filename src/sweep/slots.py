@@ -58,6 +58,11 @@ def check_values(sweeper: DictConfig) -> None:
         )
 
 
+def devices(sweeper: DictConfig) -> list[int]:
+    """The GPUs the sweep's trials run on: `hydra.sweeper.devices`, else every GPU this machine shows ([]: the CPU)."""
+    return list(sweeper.devices) if sweeper.devices is not None else gpus.indices()
+
+
 def discover_slots(sweeper: DictConfig) -> list[Slot]:
     check_values(sweeper)
     for key in ("gpus_per_trial", "slots_per_gpu", "cpu_slots", "n_trials"):
@@ -65,17 +70,17 @@ def discover_slots(sweeper: DictConfig) -> list[Slot]:
             raise SlotsError(f"hydra.sweeper.{key}={sweeper[key]}: must be at least 1")
     if sweeper.n_jobs is not None and int(sweeper.n_jobs) < 1:  # 0 and -1 mean "all" elsewhere: refused, not guessed
         raise SlotsError(f"hydra.sweeper.n_jobs={sweeper.n_jobs}: must be at least 1 (or null: one trial per slot)")
-    devices = list(sweeper.devices) if sweeper.devices is not None else gpus.indices()
-    if devices and sweeper.gpus_per_trial > len(devices):
+    cards = devices(sweeper)
+    if cards and sweeper.gpus_per_trial > len(cards):
         raise SlotsError(
-            f"hydra.sweeper.gpus_per_trial={sweeper.gpus_per_trial} but this machine shows {len(devices)} GPU(s) "
-            f"({devices}); lower gpus_per_trial or set hydra.sweeper.devices"
+            f"hydra.sweeper.gpus_per_trial={sweeper.gpus_per_trial} but this machine shows {len(cards)} GPU(s) "
+            f"({cards}); lower gpus_per_trial or set hydra.sweeper.devices"
         )
-    if not devices:
+    if not cards:
         threads = _threads(sweeper.cpu_slots)
         return [Slot(f"cpu{i}", {"OMP_NUM_THREADS": threads}) for i in range(sweeper.cpu_slots)]
     per = sweeper.gpus_per_trial
-    groups = [devices[i : i + per] for i in range(0, len(devices) - per + 1, per)]
+    groups = [cards[i : i + per] for i in range(0, len(cards) - per + 1, per)]
     copies = sweeper.slots_per_gpu if per == 1 else 1
     threads = _threads(len(groups) * copies)
     return [
