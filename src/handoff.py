@@ -14,6 +14,9 @@ STARTED_ENV = "QLORA_TRIAL_STARTED"  # the launcher's clock at launch (epoch sec
 RUN_ENV = "MLFLOW_RUN_ID"  # the MLflow run the engine created for the trial (MLflow's own variable)
 TRIAL_ENV = "QLORA_OPTUNA_TRIAL"  # the Optuna trial number
 PARENT_ENV = "QLORA_TRIAL_PARENT"  # the engine's pid: the trial dies with it (die_with_parent)
+# What Hydra saves under a trial's <run dir>/.hydra/; the trial logs them to its MLflow run as `config/`, whence
+# promotion reads them
+HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from src import tracking
+from src.handoff import HYDRA_FILES
 from src.places import store_exists
 from src.report import fmt
 from src.study import Sweep, TrialRow
@@ -25,7 +26,6 @@ _FIGURES = (
     "tokens_per_optimizer_step",
     "truncated_answer_frac",
 )
-_HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")  # what a trial logs to its run as config/
 
 
 @dataclass
@@ -64,7 +64,7 @@ def register(client: Any, name: str, sweep: Sweep, row: TrialRow, description: s
     artifacts = {a.path for a in client.list_artifacts(row.run_id)}
     if "config" not in artifacts:  # a trial from before runs logged their config: the run gets it now
         hydra_dir = sweep.trial_dir(row.number) / ".hydra"
-        for f in _HYDRA_FILES:
+        for f in HYDRA_FILES:
             if (hydra_dir / f).exists():
                 tracking.log_text(client, row.run_id, (hydra_dir / f).read_text(), f"config/{f}")
     source = f"runs:/{row.run_id}/adapter" if "adapter" in artifacts else f"runs:/{row.run_id}"

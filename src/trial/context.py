@@ -17,14 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 from src import tracking
 from src.config import to_container
 from src.failures import ConfigError, DataError
-from src.handoff import RUN_ENV
+from src.handoff import HYDRA_FILES, RUN_ENV
 
 if TYPE_CHECKING:
     import cProfile
 
     from src.measure import AttentionProbe, Measurements, StepProfiler
-
-HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")  # what Hydra saves under <run dir>/.hydra/
 
 
 @dataclass
