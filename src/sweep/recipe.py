@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import optuna
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from src.failures import MEMORY
 from src.fit import recommend
@@ -25,7 +25,7 @@ from src.sweep.slots import devices
 def levers(config: DictConfig, recipe_params: dict[str, Any]) -> list[list[str]]:
     """The recipe's levers (one rule for the sweep and `python -m src.fit --card`), on the device the sweep's trials
     run on: a CPU sweep does not try the CUDA allocator's."""
-    return recommend.levers(config, recipe_params, cuda=bool(devices(config.hydra.sweeper)))
+    return recommend.levers(config, recipe_params, cuda=bool(devices(OmegaConf.select(config, "hydra.sweeper"))))
 
 
 def lever_overrides(trial: Any) -> list[str]:

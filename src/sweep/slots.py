@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from src import gpus
 
@@ -58,9 +58,11 @@ def check_values(sweeper: DictConfig) -> None:
         )
 
 
-def devices(sweeper: DictConfig) -> list[int]:
-    """The GPUs the sweep's trials run on: `hydra.sweeper.devices`, else every GPU this machine shows ([]: the CPU)."""
-    return list(sweeper.devices) if sweeper.devices is not None else gpus.indices()
+def devices(sweeper: DictConfig | None) -> list[int]:
+    """The GPUs the sweep's trials run on: `hydra.sweeper.devices`, else every GPU this machine shows ([]: the CPU).
+    A sweeper config without the key (Hydra's basic sweeper, a test's) runs on what the machine shows."""
+    chosen = OmegaConf.select(sweeper, "devices") if sweeper is not None else None
+    return list(chosen) if chosen is not None else gpus.indices()
 
 
 def discover_slots(sweeper: DictConfig) -> list[Slot]:
