@@ -73,3 +73,17 @@ def test_a_preload_that_leaves_children_unable_to_use_cuda_makes_trials_start_fr
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "context: None"
     assert "cannot use CUDA" in done.stderr and "fresh interpreters" in done.stderr
+
+
+def test_the_forkserver_silences_the_libraries_harmless_lines_before_it_preloads_them() -> None:
+    """The forkserver is a fresh interpreter that imports src.sweep.tether first, then the stack: bitsandbytes on an
+    AVX512-BF16 CPU logged "Failed to load CPU gemm_4bit_forward from kernels-community" to the sweep's terminal at
+    every `make demo`. Its first import quiets what src/quiet.py quiets, as a trial's entry point does."""
+    code = (
+        "import logging, warnings, src.sweep.tether; "
+        "print(logging.getLogger('bitsandbytes.backends.cpu.ops').level == logging.ERROR, "
+        "any('Paged optimizers' in str(f[1].pattern) for f in warnings.filters if f[1] is not None))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_DIR, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]

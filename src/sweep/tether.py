@@ -7,6 +7,10 @@ results for a sweep that was gone. Tethered, a SIGKILLed engine takes the forkse
 once. The engine names itself in PARENT_ENV while it starts the forkserver, from its main thread (the signal follows
 the thread that forked: a slot's thread ends before the engine does)."""
 
+from src import quiet
 from src.handoff import die_with_parent
 
 die_with_parent()
+# The forkserver is an interpreter of its own: it silences what the libraries it preloads would say on import (a
+# trial's and the sweep's entry point do the same), else the first import of bitsandbytes says it to the terminal.
+quiet.install()
