@@ -44,6 +44,9 @@ from src.config import PROJECT_DIR, compose
 _WORKERS = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
 if _WORKERS and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(_WORKERS)))
+    # torch.compile's inductor compiles its C++ kernels in a pool of worker processes, one per core, started for the
+    # one compiled test: on a worker's share of two cores the pool's start-up cost ~10 CPU-s more than it saved
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 pytest_plugins = ["tests.services"]  # the fixtures postgres, tracking_server, cluster
 
