@@ -10,6 +10,7 @@ built in one call; the exceptions are the words users know from older versions, 
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,6 +271,9 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
 
 
+_COMPOSING = threading.Lock()
+
+
 def compose(
     overrides: list[str] | None = None,
     hydra_config: bool = False,
@@ -283,12 +287,17 @@ def compose(
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir or PROJECT_DIR / "conf"), version_base="1.3"):
-            return hydra_compose(config_name=config_name, overrides=overrides or [], return_hydra_config=hydra_config)
-    finally:
+    # Hydra's compose API holds one GlobalHydra per process: two threads composing at once (two promotions in one
+    # process) cleared and initialized it under each other ("GlobalHydra is already initialized"), one at a time
+    with _COMPOSING:
         GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(config_dir or PROJECT_DIR / "conf"), version_base="1.3"):
+                return hydra_compose(
+                    config_name=config_name, overrides=overrides or [], return_hydra_config=hydra_config
+                )
+        finally:
+            GlobalHydra.instance().clear()
 
 
 def flatten(node: Any, prefix: str = "", into_lists: bool = False) -> dict[str, Any]:

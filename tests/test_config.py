@@ -176,3 +176,27 @@ def test_checkpointing_reaches_the_library_under_todays_name_without_a_warning(c
         args = SFTConfig(**kwargs)
     assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
     assert args.gradient_checkpointing is checkpointing  # the old name still reads the same
+
+
+def test_threads_compose_one_at_a_time() -> None:
+    """Hydra's compose API keeps one GlobalHydra per process: two promotions in one process's threads composed under
+    each other and one died with "GlobalHydra is already initialized" (CI, test_two_promotions_at_once...)."""
+    import threading
+
+    from src.config import compose
+
+    errors: list[str] = []
+
+    def compose_a_few() -> None:
+        try:
+            for _ in range(3):
+                compose(["trainer.output_dir=/tmp/unused"], hydra_config=True)
+        except Exception as exc:  # said in the assertion
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=compose_a_few) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
