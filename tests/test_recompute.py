@@ -122,3 +122,15 @@ def test_the_trainer_s_checkpoint_call_carries_the_policy_to_every_layer(root: P
     assert len(policies) == 1 and policy.min_reduction == cfg.model.build.intermediate_size
     # two kept products (down_proj's and its LoRA A's) a layer a micro-step, over the probe's micro-steps
     assert policy.saved >= 2 * len(layers) * cfg.trainer.max_steps
+
+
+def test_the_sweeper_knows_selective_needs_at_least_full_s_memory() -> None:
+    """The registry's direction for `trainer.recompute=choice(full,selective)`: the certain-OOM rule compares the
+    words, so a full recompute that ran out of memory makes selective at the same setting a certain OOM, and not
+    the other way round."""
+    from src import knobs
+    from src.sweep.rules import at_least
+
+    direction = knobs.memory_directions()["trainer.recompute"]
+    assert at_least("selective", "full", direction) and not at_least("full", "selective", direction)
+    assert knobs.BY_KEY["trainer.recompute"].lever is None, "not a memory lever: it costs memory"
