@@ -85,3 +85,51 @@ class SavePolicy:
             return CheckpointPolicy.PREFER_RECOMPUTE
         self.saved += 1
         return CheckpointPolicy.MUST_SAVE
+
+
+def compiles_the_checkpoint(cfg: Any) -> bool:
+    """Whether `trainer.torch_compile=layers` compiles each layer's checkpoint call with the layer inside it
+    (`compiled_checkpoints`) instead of the layer alone (src/models.py compile_layers): with selective recompute.
+
+    The policy must see the layer's ops, so the checkpoint has to be traced by Dynamo (AOTAutograd's partitioner then
+    keeps what the policy tags). transformers 5.23 checkpoints inside the layer's `forward`, which compile_layers
+    compiles; 5.17 (the GPU machine's) checkpoints around the compiled call, where torch's selective checkpoint sees
+    only the compiled graph's kernels and its backward fails (CheckpointError: recomputed values differ). Compiling
+    the checkpoint call works on both; full recompute keeps compile_layers' path (benchmarks measured it)."""
+    return cfg.trainer.torch_compile == "layers" and cfg.trainer.recompute == "selective"
+
+
+def compiled_checkpoints() -> Any:
+    """A trainer callback that compiles every decoder layer's checkpoint call with the layer inside it at the start of
+    training: the Trainer enables checkpointing again in `train()` (setting each layer's checkpoint function), after
+    the trial built it, so compiling earlier would be undone. One compiled graph serves every layer (Dynamo keys it
+    by code; the layers' parameters are its inputs), as compile_layers' does."""
+    from transformers import TrainerCallback
+
+    class CompiledCheckpoints(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            compile_checkpoints(model)
+
+    return CompiledCheckpoints()
+
+
+def compile_checkpoints(model: Any) -> int:
+    """torch.compile each decoder layer's checkpoint call (its `_gradient_checkpointing_func`, transformers' name
+    since 4.35, with no public way to read or set it) around the layer; `layer.qlora_checkpoint` keeps (the compiled
+    call, the function it wraps). Returns how many layers."""
+    import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        func = layer._gradient_checkpointing_func
+        ours = getattr(layer, "qlora_checkpoint", None)
+        if ours is None or func is not ours[0]:  # the Trainer's, not already ours
+            compiled = torch.compile(functools.partial(_checkpoint, func))
+            layer.qlora_checkpoint = (compiled, func)
+            layer._gradient_checkpointing_func = compiled
+    return len(layers)
+
+
+def _checkpoint(checkpoint: Any, function: Any, *args: Any) -> Any:
+    return checkpoint(function, *args)

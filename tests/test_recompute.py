@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from src import models
+from src import recompute as recompute_path
 from src.trial import context, single
 from tests.conftest import compose_cfg
 
@@ -55,7 +56,9 @@ def _train_steps(recompute: str, compiled: bool = False, steps: int = 3) -> dict
     torch.manual_seed(0)
     model = models.attach_lora(model, instantiate(cfg.lora, _convert_="all"))
     torch._dynamo.reset()
-    if compiled:
+    if compiled and recompute == "selective":
+        recompute_path.compile_checkpoints(model)  # the checkpoint call compiled with the layer in it
+    elif compiled:
         models.compile_layers(model)
     model.train()
     lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -79,8 +82,9 @@ def _train_steps(recompute: str, compiled: bool = False, steps: int = 3) -> dict
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_layers"])
 def test_selective_recompute_trains_the_same_adapter_and_skips_the_down_projection(root: Path, compiled: bool) -> None:
     """Eager: torch's selective checkpoint caches the kept outputs and replays the rest. Compiled layers
-    (trainer.torch_compile=layers, ~20 s here): the checkpoint and its policy are inside the compiled layer
-    (transformers 5.23 checkpoints `forward`), and AOTAutograd's partitioner saves what the policy tags."""
+    (trainer.torch_compile=layers, ~20 s here): each layer's checkpoint call is compiled with the layer in it
+    (src/recompute.py compile_checkpoints, on every transformers version), so AOTAutograd's partitioner saves what
+    the policy tags; full recompute compiles the layer alone (src/models.py compile_layers)."""
     full, selective = _train_steps("full", compiled), _train_steps("selective", compiled)
     assert len(full["grads"]) == len(selective["grads"]) > 0
     # The kept products are the very tensors the recompute would make again (same kernels, same inputs, the
@@ -103,25 +107,37 @@ def test_selective_recompute_trains_the_same_adapter_and_skips_the_down_projecti
         assert {k: v for k, v in f.items() if k != mlp} == {k: v for k, v in s.items() if k != mlp}, (f, s)
 
 
-def test_the_trainer_s_checkpoint_call_carries_the_policy_to_every_layer(root: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_layers"])
+def test_the_trainer_s_checkpoint_call_carries_the_policy_to_every_layer(
+    root: Path, tmp_path: Path, compiled: bool
+) -> None:
     """The trial's own path: trl's SFTConfig gets the kwargs from sft_kwargs, transformers' Trainer enables
-    checkpointing with them (after src.models did) and every decoder layer's checkpoint call runs the policy,
-    which kept down_proj's products in a real training step."""
+    checkpointing with them in train() (after src.models did) and every decoder layer's checkpoint call runs the
+    policy, which kept down_proj's products in real training steps. Compiled, the checkpoint call compiled at the
+    start of training is the one the layers run (the Trainer's re-enabling did not undo it)."""
+    import torch._dynamo
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     cfg = compose_cfg(
         ["trainer=probe", "trainer.max_steps=2", "measure.warmup_steps=1", f"trainer.output_dir={tmp_path / 't'}"]
-        + ["trainer.gradient_checkpointing=true", "trainer.recompute=selective"]
+        + ["trainer.gradient_checkpointing=true", "trainer.recompute=selective", "model.attn_implementation=sdpa"]
+        + [f"trainer.torch_compile={'layers' if compiled else 'false'}", "trainer.packing=true"]
     )
     ctx = context.TrialContext(*context.open_run(cfg))
+    torch._dynamo.reset()
     single.train(cfg, tmp_path, ctx)
     layers = [m for m in ctx.trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
     assert layers and all(layer.gradient_checkpointing for layer in layers)
-    policies = {id(layer._gradient_checkpointing_func.keywords["context_fn"].args[0]) for layer in layers}
-    policy = layers[0]._gradient_checkpointing_func.keywords["context_fn"].args[0]
+    if compiled:
+        assert all(layer._gradient_checkpointing_func is layer.qlora_checkpoint[0] for layer in layers)
+        assert all(layer._compiled_call_impl is None for layer in layers), "the layer is compiled inside its checkpoint"
+    funcs = [layer.qlora_checkpoint[1] if compiled else layer._gradient_checkpointing_func for layer in layers]
+    policies = {id(f.keywords["context_fn"].args[0]) for f in funcs}
+    policy = funcs[0].keywords["context_fn"].args[0]
     assert len(policies) == 1 and policy.min_reduction == cfg.model.build.intermediate_size
-    # two kept products (down_proj's and its LoRA A's) a layer a micro-step, over the probe's micro-steps
-    assert policy.saved >= 2 * len(layers) * cfg.trainer.max_steps
+    # eager: two kept products (down_proj's and its LoRA A's) a layer a micro-step, over the probe's micro-steps;
+    # compiled: the policy tags the traced graph, once a graph (packed lengths may trace it again)
+    assert policy.saved >= (2 if compiled else 2 * len(layers) * cfg.trainer.max_steps)
 
 
 def test_the_sweeper_knows_selective_needs_at_least_full_s_memory() -> None:
