@@ -61,11 +61,12 @@ def mlp_width(cfg: Any) -> int:
 
 class SavePolicy:
     """torch's selective-checkpoint policy: MUST_SAVE a matmul's output when its reduction width is at least
-    `min_reduction`, PREFER_RECOMPUTE everything else. Matmuls as they reach the dispatcher: `aten.mm`
-    (bitsandbytes dequantizes a 4-bit weight and calls it on a GPU), `aten.addmm` (with a bias) and
-    `bitsandbytes.gemm_4bit` (its fused 4-bit product, the CPU's). `saved` counts the outputs it kept (a test reads
-    it to see that the policy reached the checkpoint). A module-level class: picklable, as the trainer's arguments
-    may be copied."""
+    `min_reduction`, PREFER_RECOMPUTE everything else. Matmuls as they reach the dispatcher:
+    `bitsandbytes.gemm_4bit` (bitsandbytes 0.50's 4-bit product on every device, its dequantization inside it, so
+    a kept product skips that too), `aten.mm` (LoRA's A and B; a bf16 weight) and `aten.addmm` (with a bias).
+    `saved` counts its MUST_SAVE answers: torch 2.13 asks it in the forward only (the recompute replays the answers),
+    a compiled layer when it is traced; a test reads it to see that the policy reached the checkpoint. A
+    module-level class: picklable, as the trainer's arguments may be copied."""
 
     def __init__(self, min_reduction: int) -> None:
         self.min_reduction = min_reduction
