@@ -1,17 +1,20 @@
 """Speed v6, the peer side by side (issue 31): this project's best stable setting, Unsloth's QLoRA, plain peft+trl and
 the user's recipe, in one run on the GPU machine, on the same synthetic Llama-3-8B, the same data, the same 24 GiB cap.
 
-    python -m benchmarks.speed_v6_h200 run [--deadline-s 470] [--unsloth-wheels DIR] [--only ARM ...]   # on the GPU
+    python -m benchmarks.speed_v6_h200 run [--deadline-s 470] [--unsloth-wheels DIR] [--only ARM ...] [--result F]
     python -m benchmarks.speed_v6_h200 summarize FILE                     # here: the summary again from the arms
 
 On the lent H200 through benchmarks/memory_h200.sh (a session of its own; what it wrote comes back through $OUT):
     MODULE=benchmarks.speed_v6_h200 COPY=/tmp/speed_v6_run COLLECT=speed_v6_h200.json LOGS=speed_v6 WAIT=505 \
       bash benchmarks/memory_h200.sh --deadline-s 470 --unsloth-wheels "$PWD/.whl_unsloth"
-(carry [".whl", ".whl_unsloth"]: benchmarks/gpu_wheels.sh and benchmarks/unsloth_wheels.sh fill them).
+(carry [".whl", ".whl_unsloth"]: benchmarks/gpu_wheels.sh and benchmarks/unsloth_wheels.sh fill them). Selective
+recompute beside d, alone (carry [".whl"]; ~4.5 minutes; NOTES §13):
+    MODULE=benchmarks.speed_v6_h200 COPY=/tmp/speed_v6_run COLLECT=speed_v6_recompute_h200.json LOGS=speed_v6 \
+      WAIT=420 bash benchmarks/memory_h200.sh --deadline-s 380 --only d d_selective --result speed_v6_recompute_h200.json
 
 `run`, in one process: the card's bf16 matmul rate (the denominator of MFU, `benchmarks.matmul_rate`), the model
 built once (`python -m src.models`), Unsloth's wheels installed into a --target dir of their own (it pins trl<=1.15 and
-datasets<5), then each arm of ARMS in its order (importance: d, b, c, a, then d_nodrop), alone on the card, in a
+datasets<5), then each arm of ARMS in its order (importance: d, b, c, a, d_nodrop, d_selective), alone on the card, in a
 process of its own, while the deadline leaves it time (`plan`):
   d         this project's best stable setting (README's speed table), through `python -m src.train` (forked from a
             warm interpreter, as a sweep's trials are);
@@ -20,7 +23,9 @@ process of its own, while the deadline leaves it time (`plan`):
             4096 x 4 x accumulation 2 like d (`benchmarks.peer_arm`);
   c         plain peft + trl at b's setting (the project's own environment, `benchmarks.peer_arm`);
   a         the user's recipe (it OOMs at step 1 at 1024 tokens on 24 GiB: recorded as such);
-  d_nodrop  d with LoRA dropout 0, the adapter b trains (a recipe change: compared, never the best setting).
+  d_nodrop  d with LoRA dropout 0, the adapter b trains (a recipe change: compared, never the best setting);
+  d_selective  d with trainer.recompute=selective (the same adapter; a candidate for the best setting). Last, so a
+            whole run's deadline rarely reaches it: measure it beside d with `--only d d_selective` (NOTES §13).
 Every arm is measured the same way: per optimizer step, its seconds (synchronized) and non-padding tokens; tokens/s is
 the median over >= 3 windows of each arm's `window_steps` steps after its `warmup_steps`; peaks are torch's allocator (reserved)
 and NVML's (the whole process); MFU is one formula for every arm (`mfu`: tokens/s x useful FLOPs per token / the card's
@@ -158,6 +163,18 @@ ARMS: tuple[Arm, ...] = (
         warmup_steps=4,
         window_steps=3,
         same_recipe=False,
+    ),
+    Arm(
+        "d_selective",
+        "d with trainer.recompute=selective: checkpointing keeps each layer's down_proj product from the forward "
+        "(src/recompute.py) instead of recomputing it",
+        "project",
+        overrides=(*BEST, "trainer.recompute=selective"),
+        estimate_s=95,  # as d: the same compiling, a step ~6% shorter (NOTES §13)
+        limit_s=180,
+        warmup_steps=4,
+        window_steps=3,
+        candidate=True,  # the same adapter as d (tests/test_recompute.py): the best setting if it is faster
     ),
 )
 
@@ -325,6 +342,16 @@ def summary(arms: dict[str, dict], order: Sequence[Arm] = ARMS) -> dict:
     out["vs_unsloth"] = out["best_tokens_per_s"] / uns_rate if uns_rate and out["best_tokens_per_s"] else None
     same = _rate(arms.get("d_nodrop") or {})
     out["vs_unsloth_same_adapter"] = same / uns_rate if same and uns_rate else None
+    # trainer.recompute=selective beside d (the same setting and adapter, full recompute): its gain measured alone
+    selective, full = arms.get("d_selective") or {}, arms.get("d") or {}
+    out["selective_recompute_tokens_per_s"] = _rate(selective)
+    both = _rate(selective) and _rate(full)
+    out["selective_vs_full_recompute"] = _rate(selective) / _rate(full) if both else None
+    out["selective_extra_reserved_gib"] = (
+        selective["peak_vram_reserved_gib"] - full["peak_vram_reserved_gib"]
+        if both and selective.get("peak_vram_reserved_gib") and full.get("peak_vram_reserved_gib")
+        else None
+    )
     plain = _rate(arms.get("c") or {})
     out["plain_peft_trl_tokens_per_s"] = plain
     out["vs_plain_peft_trl"] = out["best_tokens_per_s"] / plain if plain and out["best_tokens_per_s"] else None
@@ -410,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     root = Path(os.environ.get("QLORA_ROOT", "/tmp/qlora"))
-    out = Path(os.environ.get("OUT") or root) / RESULT
+    out = Path(os.environ.get("OUT") or root) / args.result
     logs = root / "speed_v6"
     logs.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
@@ -585,6 +612,9 @@ def main() -> int:
     r.add_argument("--unsloth-site", default="/tmp/site_unsloth", help="where they are installed (--target)")
     r.add_argument("--only", nargs="*", default=None, choices=[a.name for a in ARMS])
     r.add_argument("--model", default=MODEL, help="a model= option (tiny_llama: a dry run of the plumbing on a CPU)")
+    r.add_argument(
+        "--result", default=RESULT, help="the result file's name (a run of some arms keeps the whole run's file)"
+    )
     s = sub.add_parser("summarize")
     s.add_argument("file", type=Path)
     args = p.parse_args()

@@ -18,6 +18,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from src import recompute
+
 
 @dataclass
 class PathsConfig:
@@ -96,6 +98,8 @@ class TrainerConfig:
     optim: str = MISSING
     bf16: bool = MISSING
     gradient_checkpointing: bool = MISSING
+    # With gradient_checkpointing: full | selective (src/recompute.py: keep down_proj's product from the forward)
+    recompute: str = MISSING
     # The user's word; transformers now says train_sampling_strategy="group_by_length".
     group_by_length: bool = MISSING
     padding_free: bool = MISSING
@@ -254,7 +258,8 @@ def sft_kwargs(cfg: DictConfig, use_cpu: bool) -> dict[str, Any]:
         # transformers <5 `group_by_length=True` -> `train_sampling_strategy="group_by_length"`
         train_sampling_strategy="group_by_length" if t.group_by_length else "random",
         # transformers 5.23 `gradient_checkpointing` -> `activation_checkpointing` (and its _kwargs)
-        **{checkpointing: t.gradient_checkpointing, f"{checkpointing}_kwargs": {"use_reentrant": False}},
+        # (trainer.recompute: what the backward recomputes, src/recompute.py)
+        **{checkpointing: t.gradient_checkpointing, f"{checkpointing}_kwargs": recompute.checkpoint_kwargs(cfg)},
         # Non-padding tokens seen, so tokens/s does not count padding as work.
         include_num_input_tokens_seen="non_padding",
         # A NaN loss must reach the log (and our nan_loss check), not be averaged away.

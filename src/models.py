@@ -267,18 +267,20 @@ def prepare_for_kbit_training(model: Any, cfg: Any) -> Any:
     else:
         model.requires_grad_(False)
     if cfg.trainer.gradient_checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, cfg)
     return model
 
 
-def enable_checkpointing(model: Any) -> None:
-    """Activation checkpointing without re-entrant autograd (so the frozen 4-bit inputs need no requires_grad
-    hook): `activation_checkpointing_enable` since transformers 5.23, `gradient_checkpointing_enable` before
+def enable_checkpointing(model: Any, cfg: Any) -> None:
+    """Activation checkpointing with the checkpoint call's arguments the trainer's also get (src/recompute.py
+    checkpoint_kwargs: non-re-entrant autograd, and what `trainer.recompute` keeps from the forward):
+    `activation_checkpointing_enable` since transformers 5.23, `gradient_checkpointing_enable` before
     (the name `src.config.checkpointing_name` gives the trainer's arguments)."""
     from src.config import checkpointing_name
+    from src.recompute import checkpoint_kwargs
 
     name = checkpointing_name()
-    getattr(model, f"{name}_enable")(**{f"{name}_kwargs": {"use_reentrant": False}})
+    getattr(model, f"{name}_enable")(**{f"{name}_kwargs": checkpoint_kwargs(cfg)})
 
 
 def attach_lora(model: Any, lora_config: Any) -> Any:

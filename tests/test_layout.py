@@ -22,6 +22,8 @@ PRIVATE_ALLOWED = {
     "server._forkserver_alive_fd": "the forkserver's 'alive' pipe each forked child is handed (no public handle)",
     "server._forkserver_address": "cleared with the pipe: a forkserver a trial asks for later is its own",
     "self.storage._get_stale_trial_ids": "Optuna's stale trials without failing them: their records are read first",
+    "layer._gradient_checkpointing_func": "transformers' checkpoint call of a decoder layer (set by its "
+    "activation_checkpointing_enable, no getter): selective recompute compiles it with the layer in it",
 }
 
 
@@ -41,6 +43,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "src.gpus",
             "src.handoff",
             "src.attention",
+            "src.recompute",
         ),
     ),
     (

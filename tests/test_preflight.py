@@ -273,6 +273,16 @@ def test_padding_free_without_packing_is_refused_and_packing_accepted(root: Path
     assert not [f for f in report.findings if f.check == "padding_free"]
 
 
+def test_selective_recompute_needs_checkpointing_and_a_known_word(root: Path) -> None:
+    message = _refusal(["trainer.recompute=selective", "trainer.gradient_checkpointing=false"])
+    lines = [line for line in message.splitlines() if "trainer.recompute=selective" in line]
+    assert lines and all("set trainer.gradient_checkpointing=true" in line for line in lines)  # each in one line
+    assert "trainer.recompute=some is not one of full, selective" in _refusal(["trainer.recompute=some"])
+    for ok in (["trainer.recompute=selective", "trainer.gradient_checkpointing=true"], ["trainer.recompute=full"]):
+        report = preflight.run(compose_cfg(ok), data=False)
+        assert not [f for f in report.findings if f.check == "recompute"]
+
+
 @pytest.mark.parametrize(
     "overrides,expected",
     [

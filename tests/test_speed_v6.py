@@ -108,6 +108,11 @@ def test_the_summary_holds_the_issue_s_keys_and_compares_this_project_s_best_wit
     assert s["vs_plain_peft_trl"] == pytest.approx(2.5) and "unsloth_error" not in s
     assert s["recipe_outcome"] == "failed: oom at step 1"
     assert s["best_headroom_frac"] == pytest.approx(1 - 15.8 / 24), "stable: more than 10% of the budget left"
+    assert s["selective_vs_full_recompute"] is None and s["selective_extra_reserved_gib"] is None, "not run"
+    sel = v6.summary({**arms, "d_selective": _arm(10_700, peak=19.8)})
+    assert sel["best_arm"] == "d_selective" and sel["best_setting"] == [*v6.BEST, "trainer.recompute=selective"]
+    assert sel["selective_vs_full_recompute"] == pytest.approx(1.07)
+    assert sel["selective_extra_reserved_gib"] == pytest.approx(4.0)
     cut = v6.summary({**arms, "c": {**_arm(4_000), "status": "failed", "failure": {"kind": "timeout"}}})
     assert cut["vs_plain_peft_trl"] is None, "an arm cut short keeps its steps in the file, not in the comparison"
     assert s["map_settings"] is None and "map_settings" in s["not_measured"]
@@ -125,7 +130,8 @@ def test_the_summary_holds_the_issue_s_keys_and_compares_this_project_s_best_wit
 
 
 def test_the_deadline_runs_the_arms_in_their_order_of_importance_and_skips_what_does_not_fit() -> None:
-    assert [a.name for a in v6.ARMS] == ["d", "b", "c", "a", "d_nodrop"]
+    assert [a.name for a in v6.ARMS] == ["d", "b", "c", "a", "d_nodrop", "d_selective"]
+    assert [a.name for a in v6.select(["d_selective", "d"])] == ["d", "d_selective"], "beside d, after it"
     assert [a.name for a in v6.select(["a", "b", "d"])] == ["d", "b", "a"], "importance, not the order asked"
     d, b = v6.ARMS[0], v6.ARMS[1]
     assert v6.plan(d, elapsed_s=0, deadline_s=1000) == d.limit_s, "never more than its limit"
@@ -141,7 +147,7 @@ def test_the_deadline_runs_the_arms_in_their_order_of_importance_and_skips_what_
                 clock += budget if arm.name == slow else arm.estimate_s  # `slow` takes all it may
         return ran
 
-    assert simulate(None) == ["d", "b", "c", "a"], "as expected, only the comparison on the same adapter is left out"
+    assert simulate(None) == ["d", "b", "c", "a"], "as expected: the comparisons (d_nodrop, d_selective) are left out"
     assert simulate("b") == ["d", "b", "a"], "Unsloth slow: c no longer fits, the recipe's short arm still does"
     assert simulate("d") == ["d", "b", "a"]
     assert all(a.max_steps >= a.warmup_steps + 3 * a.window_steps for a in v6.ARMS), "three windows at least"

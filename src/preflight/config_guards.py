@@ -12,6 +12,7 @@ from src import gpus
 from src.failures import FAULT_KINDS
 from src.models import SDPA_BACKENDS, context_length
 from src.preflight.report import Report
+from src.recompute import RECOMPUTE
 
 # device_map values that spread a model over every visible GPU.
 _SPREADING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -125,7 +126,8 @@ def _check_parallelism(cfg: DictConfig, report: Report) -> None:
 
 
 def _check_trainer_features(cfg: DictConfig, report: Report) -> None:
-    """Padding-free batches, Liger kernels and torch.compile: each only in the form that runs."""
+    """Padding-free batches, Liger kernels, selective recompute and torch.compile: each only in the form that
+    runs."""
     # Padding-free batches are correct with sdpa and eager too: transformers 5 turns the collator's restarting
     # position_ids into a block-diagonal mask (masking_utils.find_packed_sequence_indices).
     if cfg.trainer.padding_free and not cfg.trainer.packing:
@@ -142,6 +144,17 @@ def _check_trainer_features(cfg: DictConfig, report: Report) -> None:
             "error",
             "trainer.use_liger_kernel=true, but the liger-kernel package is not installed: "
             "pip install 'liger-kernel>=0.8' (needs a CUDA GPU with Triton), or set trainer.use_liger_kernel=false",
+        )
+    recompute = cfg.trainer.recompute
+    if recompute not in RECOMPUTE:
+        report.add("recompute", "error", f"trainer.recompute={recompute} is not one of {', '.join(RECOMPUTE)}")
+    elif recompute == "selective" and not cfg.trainer.gradient_checkpointing:
+        report.add(
+            "recompute",
+            "error",
+            "trainer.recompute=selective chooses what checkpointing recomputes, but "
+            "trainer.gradient_checkpointing=false recomputes nothing; set trainer.gradient_checkpointing=true "
+            "or trainer.recompute=full",
         )
     if cfg.trainer.torch_compile not in (False, True, "layers"):
         report.add(

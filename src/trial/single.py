@@ -78,7 +78,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     from hydra.utils import instantiate
     from trl import SFTConfig, SFTTrainer
 
-    from src import models, preflight
+    from src import models, preflight, recompute
     from src.config import sft_kwargs
     from src.measure import progress
 
@@ -101,7 +101,9 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     for callback in _callbacks(cfg, out_dir, ctx):
         trainer.add_callback(callback)
     progress.install(trainer, ctx.meas)  # one bar on a terminal; the per-step dicts to the log file
-    if cfg.trainer.torch_compile == "layers":
+    if recompute.compiles_the_checkpoint(cfg):
+        trainer.add_callback(recompute.compiled_checkpoints())  # once train() has set the checkpoint functions
+    elif cfg.trainer.torch_compile == "layers":
         models.compile_layers(trainer.model)  # compiles in the first steps (first_step_s), not here
     ctx.trainer = trainer
     ctx.mark("trainer_init")

@@ -1,0 +1,136 @@
+"""What the backward recomputes under activation checkpointing (`trainer.recompute`), and the one place that builds
+the checkpoint call's arguments: the trainer's (src/config.py sft_kwargs) and the model's own switch
+(src/models.py enable_checkpointing) both take them from `checkpoint_kwargs`.
+
+`full` (the default): each checkpointed decoder layer runs its whole forward again in the backward, so a micro-batch
+executes 6P matmul FLOPs a token for 4P useful (benchmarks/NOTES.md §5a). `selective`: torch's selective activation
+checkpointing keeps, from the first forward, the outputs of the matmuls whose reduction runs over the MLP's
+intermediate width (the frozen down_proj's product, and its LoRA A's), and recomputes everything else.
+
+Why those. Holding a matmul's output saves 2·K FLOPs a value for the 2 bytes a bf16 value takes: the FLOPs saved per
+byte held is the reduction width K, whatever the output's width. down_proj reduces over the intermediate width
+(14,336 on Llama-3-8B), every other projection over the hidden width (4,096): its output (4,096 values a token a
+layer, 4 GiB for a 16 k-token micro-batch over 32 layers) skips 27% of the layer's recompute matmuls, 3.5 times what
+the same bytes buy anywhere else. Saving q/k/v/o/gate/up too would hold 84 KB a token a layer (~42 GiB at 16 k
+tokens): more than the 24 GiB card. The elementwise work (norms, RoPE, SiLU, LoRA's dropout and scale) is cheap to
+redo and is recomputed; so is attention, whose forward is a small share of the step on packed rows.
+
+torch is imported inside the functions: the sweep's checks import the config without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from src.failures import ConfigError
+
+# trainer.recompute's words (preflight refuses any other)
+RECOMPUTE = ("full", "selective")
+
+
+def checkpoint_kwargs(cfg: Any) -> dict[str, Any]:
+    """torch.utils.checkpoint.checkpoint's keyword arguments for `trainer.recompute`: non-re-entrant autograd (so the
+    frozen 4-bit inputs need no requires_grad hook) and, for `selective`, the policy's context (a callable, so it is
+    built here from the config's word, never held in the config)."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if cfg.trainer.get("recompute", "full") == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        policy = SavePolicy(min_reduction=mlp_width(cfg))
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    return kwargs
+
+
+def mlp_width(cfg: Any) -> int:
+    """The model's MLP intermediate width, read without loading weights: the config's `model.build` (a random
+    model), else the checkpoint's config.json."""
+    build = cfg.model.build
+    if build is not None and build.get("intermediate_size"):
+        return int(build.intermediate_size)
+    config = Path(cfg.model.path) / "config.json"
+    try:
+        return int(json.loads(config.read_text())["intermediate_size"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(
+            f"trainer.recompute=selective: no intermediate_size in {config} ({e}); use trainer.recompute=full"
+        ) from e
+
+
+class SavePolicy:
+    """torch's selective-checkpoint policy: MUST_SAVE a matmul's output when its reduction width is at least
+    `min_reduction`, PREFER_RECOMPUTE everything else. Matmuls as they reach the dispatcher:
+    `bitsandbytes.gemm_4bit` (bitsandbytes 0.50's 4-bit product on every device, its dequantization inside it, so
+    a kept product skips that too), `aten.mm` (LoRA's A and B; a bf16 weight) and `aten.addmm` (with a bias).
+    `saved` counts its MUST_SAVE answers: torch 2.13 asks it in the forward only (the recompute replays the answers),
+    a compiled layer when it is traced; a test reads it to see that the policy reached the checkpoint. A
+    module-level class: picklable, as the trainer's arguments may be copied."""
+
+    def __init__(self, min_reduction: int) -> None:
+        self.min_reduction = min_reduction
+        self.saved = 0
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        name = str(op)
+        if name in ("aten.mm.default", "bitsandbytes.gemm_4bit.default"):
+            reduction = args[0].shape[-1]
+        elif name == "aten.addmm.default":
+            reduction = args[1].shape[-1]
+        else:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if reduction < self.min_reduction:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        self.saved += 1
+        return CheckpointPolicy.MUST_SAVE
+
+
+def compiles_the_checkpoint(cfg: Any) -> bool:
+    """Whether `trainer.torch_compile=layers` compiles each layer's checkpoint call with the layer inside it
+    (`compiled_checkpoints`) instead of the layer alone (src/models.py compile_layers): with selective recompute.
+
+    The policy must see the layer's ops, so the checkpoint has to be traced by Dynamo (AOTAutograd's partitioner then
+    keeps what the policy tags). transformers 5.23 checkpoints inside the layer's `forward`, which compile_layers
+    compiles; 5.17 (the GPU machine's) checkpoints around the compiled call, where torch's selective checkpoint sees
+    only the compiled graph's kernels and its backward fails (CheckpointError: recomputed values differ). Compiling
+    the checkpoint call works on both; full recompute keeps compile_layers' path (benchmarks measured it)."""
+    return cfg.trainer.torch_compile == "layers" and cfg.trainer.recompute == "selective"
+
+
+def compiled_checkpoints() -> Any:
+    """A trainer callback that compiles every decoder layer's checkpoint call with the layer inside it at the start of
+    training: the Trainer enables checkpointing again in `train()` (setting each layer's checkpoint function), after
+    the trial built it, so compiling earlier would be undone. One compiled graph serves every layer (Dynamo keys it
+    by code; the layers' parameters are its inputs), as compile_layers' does."""
+    from transformers import TrainerCallback
+
+    class CompiledCheckpoints(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            compile_checkpoints(model)
+
+    return CompiledCheckpoints()
+
+
+def compile_checkpoints(model: Any) -> int:
+    """torch.compile each decoder layer's checkpoint call (its `_gradient_checkpointing_func`, transformers' name
+    since 4.35, with no public way to read or set it) around the layer; `layer.qlora_checkpoint` keeps (the compiled
+    call, the function it wraps). Returns how many layers."""
+    import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        func = layer._gradient_checkpointing_func
+        ours = getattr(layer, "qlora_checkpoint", None)
+        if ours is None or func is not ours[0]:  # the Trainer's, not already ours
+            compiled = torch.compile(functools.partial(_checkpoint, func))
+            layer.qlora_checkpoint = (compiled, func)
+            layer._gradient_checkpointing_func = compiled
+    return len(layers)
+
+
+def _checkpoint(checkpoint: Any, function: Any, *args: Any) -> Any:
+    return checkpoint(function, *args)

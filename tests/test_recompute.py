@@ -1,0 +1,155 @@
+"""trainer.recompute=selective (src/recompute.py): the same adapter as full recompute, step for step, with the down
+projection's product kept from the forward instead of computed again in the backward; and the trainer's own path
+(SFTConfig -> activation_checkpointing_enable -> the checkpoint call) carries the policy to every layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from src import models
+from src import recompute as recompute_path
+from src.trial import context, single
+from tests.conftest import compose_cfg
+
+# fp32 throughout (weights, 4-bit compute, no autocast): both paths then run the same kernels on the same values.
+FP32 = ["model=tiny_llama", "model.dtype=float32", "model.quantization.bnb_4bit_compute_dtype=float32"]
+# eager's, and a compiled graph's extern kernels (Inductor calls aten's out= variants)
+MATMULS = ("aten.mm.default", "aten.mm.out", "bitsandbytes.gemm_4bit.default")
+ADDMM = ("aten.addmm.default", "aten.addmm.out")
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts the matmuls that run, by reduction width (the last dimension of the left operand). Higher-order ops
+    (a compiled backward replays dropout's RNG through one) pass through uncounted."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_reduction: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(func) in MATMULS + ADDMM:
+            width = int(args[1 if str(func) in ADDMM else 0].shape[-1])
+            self.by_reduction[width] = self.by_reduction.get(width, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _train_steps(recompute: str, compiled: bool = False, steps: int = 3) -> dict[str, Any]:
+    """A few AdamW steps of the tiny 4-bit Llama with LoRA (dropout on) on one fixed batch: the losses, the LoRA
+    gradients of the last step, the LoRA weights after it, and the matmuls each backward ran."""
+    import torch._dynamo
+
+    attention = "sdpa" if compiled else "eager"  # the compiled setting's, as in tests/test_trial.py
+    cfg = compose_cfg(
+        [*FP32, f"model.attn_implementation={attention}", "trainer.gradient_checkpointing=true"]
+        + [f"trainer.recompute={recompute}"]
+    )
+    model, _ = models.load(cfg)
+    model = models.prepare_for_kbit_training(model, cfg)
+    torch.manual_seed(0)
+    model = models.attach_lora(model, instantiate(cfg.lora, _convert_="all"))
+    torch._dynamo.reset()
+    if compiled and recompute == "selective":
+        recompute_path.compile_checkpoints(model)  # the checkpoint call compiled with the layer in it
+    elif compiled:
+        models.compile_layers(model)
+    model.train()
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(lora.values(), lr=1e-3)
+    ids = torch.randint(10, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    losses, backward_matmuls = [], []
+    for step in range(steps):
+        torch.manual_seed(100 + step)  # LoRA's dropout draws the same masks on both paths
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        with _Matmuls() as counter:
+            loss.backward()
+        backward_matmuls.append(counter.by_reduction)
+        losses.append(loss.item())
+        grads = {n: p.grad.detach().clone() for n, p in lora.items()}
+        optimizer.step()
+    weights = {n: p.detach().clone() for n, p in lora.items()}
+    return {"cfg": cfg, "losses": losses, "grads": grads, "weights": weights, "matmuls": backward_matmuls}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_layers"])
+def test_selective_recompute_trains_the_same_adapter_and_skips_the_down_projection(root: Path, compiled: bool) -> None:
+    """Eager: torch's selective checkpoint caches the kept outputs and replays the rest. Compiled layers
+    (trainer.torch_compile=layers, ~20 s here): each layer's checkpoint call is compiled with the layer in it
+    (src/recompute.py compile_checkpoints, on every transformers version), so AOTAutograd's partitioner saves what
+    the policy tags; full recompute compiles the layer alone (src/models.py compile_layers)."""
+    full, selective = _train_steps("full", compiled), _train_steps("selective", compiled)
+    assert len(full["grads"]) == len(selective["grads"]) > 0
+    # The kept products are the very tensors the recompute would make again (same kernels, same inputs, the
+    # checkpoint restores the RNG for dropout): equal to fp32 rounding, in practice bit for bit.
+    torch.testing.assert_close(selective["losses"], full["losses"], rtol=1e-6, atol=1e-6)
+    for name, grad in full["grads"].items():
+        torch.testing.assert_close(selective["grads"][name], grad, rtol=1e-6, atol=1e-6, msg=name)
+    for name, weight in full["weights"].items():
+        torch.testing.assert_close(selective["weights"][name], weight, rtol=1e-6, atol=1e-6, msg=name)
+    assert full["losses"][-1] < full["losses"][0], "the adapter learned on the batch"
+
+    # The backward's matmuls that reduce over the MLP's width: the recompute's down_proj and its LoRA A (one each a
+    # layer), plus the backward's own. Eager selective runs the latter only: 2 fewer a layer. Compiled, the
+    # partitioner already keeps LoRA A's r-wide output under full recompute; selective skips down_proj's product.
+    mlp = int(full["cfg"].model.build.intermediate_size)
+    layers = int(full["cfg"].model.build.num_hidden_layers)
+    for f, s in zip(full["matmuls"], selective["matmuls"], strict=True):
+        assert f.get(mlp, 0) - s.get(mlp, 0) == (1 if compiled else 2) * layers, (f, s)
+        # everything reducing over the hidden width is recomputed as before
+        assert {k: v for k, v in f.items() if k != mlp} == {k: v for k, v in s.items() if k != mlp}, (f, s)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_layers"])
+def test_the_trainer_s_checkpoint_call_carries_the_policy_to_every_layer(
+    root: Path, tmp_path: Path, compiled: bool
+) -> None:
+    """The trial's own path: trl's SFTConfig gets the kwargs from sft_kwargs, transformers' Trainer enables
+    checkpointing with them in train() (after src.models did) and every decoder layer's checkpoint call runs the
+    policy, which kept down_proj's products in real training steps. Compiled, the checkpoint call compiled at the
+    start of training is the one the layers run (the Trainer's re-enabling did not undo it)."""
+    import torch._dynamo
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    cfg = compose_cfg(
+        ["trainer=probe", "trainer.max_steps=2", "measure.warmup_steps=1", f"trainer.output_dir={tmp_path / 't'}"]
+        + ["trainer.gradient_checkpointing=true", "trainer.recompute=selective", "model.attn_implementation=sdpa"]
+        + [f"trainer.torch_compile={'layers' if compiled else 'false'}", "trainer.packing=true"]
+    )
+    ctx = context.TrialContext(*context.open_run(cfg))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    single.train(cfg, tmp_path, ctx)
+    layers = [m for m in ctx.trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers and all(layer.gradient_checkpointing for layer in layers)
+    if compiled:
+        assert all(layer._gradient_checkpointing_func is layer.qlora_checkpoint[0] for layer in layers)
+        assert all(layer._compiled_call_impl is None for layer in layers), "the layer is compiled inside its checkpoint"
+        # one graph for every layer (AttentionProbe's dispatch mode breaks it at its one warm-up step: run eagerly)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    funcs = [layer.qlora_checkpoint[1] if compiled else layer._gradient_checkpointing_func for layer in layers]
+    policies = {id(f.keywords["context_fn"].args[0]) for f in funcs}
+    policy = funcs[0].keywords["context_fn"].args[0]
+    assert len(policies) == 1 and policy.min_reduction == cfg.model.build.intermediate_size
+    # eager: two kept products (down_proj's and its LoRA A's) a layer a micro-step, over the probe's micro-steps;
+    # compiled: the policy tags the traced graph, once a graph (packed lengths may trace it again)
+    assert policy.saved >= (2 if compiled else 2 * len(layers) * cfg.trainer.max_steps)
+
+
+def test_the_sweeper_knows_selective_needs_at_least_full_s_memory() -> None:
+    """The registry's direction for `trainer.recompute=choice(full,selective)`: the certain-OOM rule compares the
+    words, so a full recompute that ran out of memory makes selective at the same setting a certain OOM, and not
+    the other way round."""
+    from src import knobs
+    from src.sweep.rules import at_least
+
+    direction = knobs.memory_directions()["trainer.recompute"]
+    assert at_least("selective", "full", direction) and not at_least("full", "selective", direction)
+    assert knobs.BY_KEY["trainer.recompute"].lever is None, "not a memory lever: it costs memory"
