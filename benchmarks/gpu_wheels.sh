@@ -141,35 +141,22 @@ shopt -u nocaseglob nocasematch
 # Slim bitsandbytes: keep only the CUDA 13.0 and CPU native libraries, drop the
 # others from the archive and from RECORD, rewrite under the same file name.
 "$PY" - "$WHL" <<'EOF'
-import csv, glob, io, os, sys, zipfile
+import glob, os, sys, zipfile
+
+from benchmarks import wheels
 
 keep = {"libbitsandbytes_cuda130.so", "libbitsandbytes_cpu.so"}
 (whl,) = glob.glob(os.path.join(sys.argv[1], "bitsandbytes-*.whl"))
 with zipfile.ZipFile(whl) as zin:
     names = zin.namelist()
-    drop = {n for n in names
-            if n.endswith(".so") and os.path.basename(n) not in keep}
-    missing = keep - {os.path.basename(n) for n in names}
-    if missing:
-        sys.exit(f"ERROR: {whl} lacks {sorted(missing)}")
-    if not drop:
-        print(f"slim   {os.path.basename(whl)} already slimmed")
-        sys.exit(0)
-    tmp = whl + ".tmp"
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
-        for info in zin.infolist():
-            if info.filename in drop:
-                continue
-            data = zin.read(info.filename)
-            if info.filename.endswith(".dist-info/RECORD"):
-                rows = [r for r in csv.reader(io.StringIO(data.decode()))
-                        if r and r[0] not in drop]
-                buf = io.StringIO()
-                csv.writer(buf, lineterminator="\n").writerows(rows)
-                data = buf.getvalue().encode()
-            info.compress_type = zipfile.ZIP_DEFLATED
-            zout.writestr(info, data)
-os.replace(tmp, whl)
+drop = {n for n in names if n.endswith(".so") and os.path.basename(n) not in keep}
+missing = keep - {os.path.basename(n) for n in names}
+if missing:
+    sys.exit(f"ERROR: {whl} lacks {sorted(missing)}")
+if not drop:
+    print(f"slim   {os.path.basename(whl)} already slimmed")
+    sys.exit(0)
+wheels.drop(whl, drop)
 print(f"slim   {os.path.basename(whl)}: dropped {len(drop)} native libraries")
 EOF
 

@@ -79,30 +79,17 @@ shopt -u nocaseglob nocasematch
 
 # Strip Unsloth's studio/ (its web UI) from the wheel, files and RECORD lines, under the same file name.
 "$PY" - "$WHL" <<'EOF'
-import csv, glob, io, os, sys, zipfile
+import glob, os, sys, zipfile
+
+from benchmarks import wheels
 
 (whl,) = glob.glob(os.path.join(sys.argv[1], "unsloth-2026*.whl"))
 with zipfile.ZipFile(whl) as zin:
     drop = {n for n in zin.namelist() if n.startswith("studio/")}
-    if not drop:
-        print(f"slim   {os.path.basename(whl)} already slimmed")
-        sys.exit(0)
-    tmp = whl + ".tmp"
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
-        for info in zin.infolist():
-            if info.filename in drop:
-                continue
-            data = zin.read(info.filename)
-            if info.filename.endswith(".dist-info/RECORD"):
-                rows = [r for r in csv.reader(io.StringIO(data.decode())) if r and r[0] not in drop]
-                buf = io.StringIO()
-                csv.writer(buf, lineterminator="\n").writerows(rows)
-                data = buf.getvalue().encode()
-            elif info.filename.endswith(".dist-info/top_level.txt"):
-                data = b"".join(line for line in data.splitlines(keepends=True) if line.strip() != b"studio")
-            info.compress_type = zipfile.ZIP_DEFLATED
-            zout.writestr(info, data)
-os.replace(tmp, whl)
+if not drop:
+    print(f"slim   {os.path.basename(whl)} already slimmed")
+    sys.exit(0)
+wheels.drop(whl, drop, top_level="studio")
 print(f"slim   {os.path.basename(whl)}: dropped {len(drop)} files of studio/")
 EOF
 
