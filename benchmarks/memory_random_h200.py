@@ -412,6 +412,7 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
             "predicted_peak_vram_reserved_gib": pred.reserved_gib,
             "predicted_peak_vram_device_gib": pred.device_gib,
             "predicted_terms_gib": pred.terms,
+            "predicted_allocated_gib": sum(v for k, v in pred.terms.items() if k != "allocator_cache"),
             "stated_error_pct": 100 * pred.error,
             "error_pct": 100 * (pred.reserved_gib / got - 1) if got else None,
             "under_prediction_pct": 100 * (got / pred.reserved_gib - 1) if got else None,
@@ -481,10 +482,22 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
         },
         "fitcheck_llm": stats(errors["fitcheck_llm"]),
         "accelerate_estimate_memory": stats(errors["accelerate_estimate_memory"]),
+        "held_out_gpu": (json.loads(fresh.read_text()) if fresh else raws[0])["gpu"],
+        # the two parts of the prediction judged apart: the tensors (peak allocated) and the allocator's cache
+        "peak_allocated": stats(
+            [100 * (x["predicted_allocated_gib"] / x["measured_peak_vram_allocated_gib"] - 1) for x in judged],
+            [100 * (x["measured_peak_vram_allocated_gib"] / x["predicted_allocated_gib"] - 1) for x in judged],
+        ),
+        "allocator_cache_gib": {
+            "measured_max": max(
+                x["measured_peak_vram_reserved_gib"] - x["measured_peak_vram_allocated_gib"] for x in judged
+            ),
+            "predicted_max": max(x["predicted_terms_gib"]["allocator_cache"] for x in judged),
+        },
     }
     runs = [*raws, *([json.loads(fresh.read_text())] if fresh else [])]
     out = {
-        "gpu": raws[0]["gpu"],
+        "gpu": raws[0]["gpu"],  # the calibration's card; the judged settings' card is summary.held_out_gpu
         "versions": raws[0]["versions"],
         "budget_gib": BUDGET,
         "probe": raws[0]["probe"],
