@@ -70,6 +70,26 @@ def test_memory_moves_with_the_knobs_as_the_knob_registry_says() -> None:
     assert peak(base.with_knobs(max_seq_length=8192)) == pytest.approx(peak(base.with_knobs(max_seq_length=4096)))
 
 
+def test_selective_recompute_costs_every_layers_down_proj_product() -> None:
+    """trainer.recompute=selective keeps down_proj's bf16 output (and its LoRA A's) of every layer from the forward:
+    the model adds exactly that, and nothing where checkpointing is off (there is nothing recomputed to choose)."""
+    full = Setting(LLAMA3_8B, 4096, batch=4, checkpointing=True, attention="varlen", packing=True)
+    selective = full.with_knobs(recompute="selective")
+    batch = peak_batch(LENGTHS, full)
+    kept = counts(selective, batch)["layer_inputs"] - counts(full, batch)["layer_inputs"]
+    assert kept == pytest.approx(32 * batch.tokens * 2 * (4096 + 16) / 1024**3)
+    assert 3.5 < kept < 4.5  # these rows pack into one ~16 k-token micro-batch: ~4 GiB on the 8B
+    model = MemoryModel()
+    gained = model.predict(selective, batch).reserved_gib - model.predict(full, batch).reserved_gib
+    assert gained == pytest.approx(kept * DEFAULTS["layer_inputs"])
+    no_ckpt = full.with_knobs(checkpointing=False)
+    assert counts(no_ckpt.with_knobs(recompute="selective"), batch) == counts(no_ckpt, batch)
+    # read from the composed config, as the sweep's gate and src.fit read it
+    base = ["model=llama3_8b_synthetic", "trainer.gradient_checkpointing=true"]
+    assert Setting.from_config(compose([*base, "trainer.recompute=selective"])).recompute == "selective"
+    assert Setting.from_config(compose(base)).recompute == "full"
+
+
 def test_the_peak_micro_batch_follows_the_data() -> None:
     padded = peak_batch(LENGTHS, Setting(LLAMA3_8B, 2048, batch=4))
     assert padded.rows == (2048,) * 4  # the four longest rows, cut at 2048

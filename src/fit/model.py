@@ -169,6 +169,7 @@ class Setting:
     fused_loss: bool = False  # Liger's fused linear cross-entropy: the logits are never whole
     world_size: int = 1
     expandable_segments: bool = False  # the caching allocator's expandable segments (hardware.expandable_segments)
+    recompute: str = "full"  # under checkpointing, what the backward redoes (trainer.recompute; src/recompute.py)
 
     @classmethod
     def from_config(cls, cfg: Any, vocab_fallback: int | None = None) -> Setting:
@@ -188,6 +189,7 @@ class Setting:
             optim=str(t.optim),
             fused_loss=bool(t.get("use_liger_kernel", False)),
             expandable_segments=bool((cfg.get("hardware") or {}).get("expandable_segments") or False),
+            recompute=str(t.get("recompute", "full")),
         )
 
     def with_knobs(self, **knobs: Any) -> Setting:
@@ -285,6 +287,10 @@ def counts(s: Setting, batch: Batch) -> dict[str, float]:
     activations = kept * tokens * per_layer
     # under checkpointing each layer's input is kept (in the residual's dtype) and its activations recomputed
     inputs = a.layers * tokens * a.hidden * residual if s.checkpointing else 0.0
+    if s.checkpointing and s.recompute == "selective":
+        # selective recompute keeps, in every layer, the products that reduce over the MLP's width: down_proj's bf16
+        # output and its LoRA A's (src/recompute.py), alive from the forward to that layer's backward
+        inputs += a.layers * tokens * BF16 * (a.hidden + (s.lora_r if "down_proj" in s.lora_targets else 0))
     stream = RESIDUAL_COPIES * tokens * a.hidden * residual
     scores = a.heads * batch.square  # attention scores per layer, every head
     attention = backward = 0.0
