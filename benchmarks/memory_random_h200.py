@@ -7,6 +7,9 @@
     python -m benchmarks.memory_random_h200 design --fresh     # here: memory_model_random_fresh_design.json
     WAIT=570 bash benchmarks/memory_random_h200.sh --design fresh       # on the GPU: memory_random_raw_fresh.json
     python -m benchmarks.memory_random_h200 summarize RAW.json RAW_EXPANDABLE.json --fresh FRESH_RAW.json
+    # does the allocator's cache matter for an OOM? the fresh set again, each capped just above its own peak allocated
+    WAIT=560 bash benchmarks/memory_random_h200.sh --design pressed     # on the GPU: memory_random_raw_pressed.json
+    python -m benchmarks.memory_random_h200 pressed PRESSED_RAW.json    # here: memory_model_pressed_h200.json
 
 The space is every knob the sweeper and the recipe's levers vary: `data.max_seq_length` 256-4096 in steps of 64
 (not only powers of two), per-device batch 1-8, gradient checkpointing, eager / SDPA / varlen attention, packing,
@@ -58,6 +61,8 @@ N_HELD_OUT = 64  # launched (the sweep would launch them); expect ~1/4 to OOM
 N_FRESH = 60  # launched: ~5-6 minutes on the card, within one device call
 FRESH_SEED = 20261206  # the Sobol design's was 29, the first held-out set's 20261204
 EXPANDABLE = "hardware.expandable_segments"
+FRESH_RAW = RESULTS / "memory_model_random_raw_fresh_h100.json"  # the fresh set as measured, at the 24 GiB cap
+PRESS = 0.05  # the pressed run's cap: each setting's own peak allocated + 5% (+ its CUDA context)
 
 
 def setting_from_unit(u: np.ndarray) -> dict[str, Any]:
@@ -212,8 +217,11 @@ def run(args: argparse.Namespace) -> None:
 
     root = Path(os.environ.get("QLORA_ROOT", "/tmp/qlora"))
     out = Path(os.environ.get("OUT") or root)
+    budgets: dict[int, float] = {}
     if args.design == "fresh":  # the final judgement's set alone
         todo = [("fresh", i, s) for i, s in enumerate(json.loads(FRESH_DESIGN.read_text())["held_out"])]
+    elif args.design == "pressed":  # the fresh set's trained settings, each on a card cut to its own allocated peak
+        todo, budgets = pressed_design(args.press)
     else:
         d = json.loads(DESIGN.read_text())
         todo = [("calibration", i, s) for i, s in enumerate(d["calibration"])]
@@ -230,13 +238,13 @@ def run(args: argparse.Namespace) -> None:
     MlflowClient(f"sqlite:///{root}/mlruns/mlflow.db").search_experiments()
     ctx = launcher.forkserver(list(launcher.DEFAULT_PRELOAD))
     rows: list[dict[str, Any]] = []
-    tag = args.tag if args.tag is not None else ("_fresh" if args.design == "fresh" else "")
+    tag = args.tag if args.tag is not None else {"fresh": "_fresh", "pressed": "_pressed"}.get(args.design, "")
 
     def one(item: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         role, i, s = item
         run_dir = root / "trials" / f"{role}{i}"
         argv = [
-            *BASE, f"hardware.vram_budget_gib={BUDGET:g}", "preflight.max_truncated_answer_frac=1.0",
+            *BASE, f"hardware.vram_budget_gib={budgets.get(i, BUDGET):.3f}", "preflight.max_truncated_answer_frac=1.0",
             *PROBE, *overrides(s),
             f"hydra.run.dir={run_dir}",
         ]  # fmt: skip
@@ -270,6 +278,7 @@ def run(args: argparse.Namespace) -> None:
             "status": result.get("status", "missing"),
             "failure_kind": failure.get("kind") if isinstance(failure, dict) else None,
             "failure_step": failure.get("step") if isinstance(failure, dict) else None,
+            "budget_gib": budgets.get(i, BUDGET),
             "exit_code": rc,
             "wall_s": time.time() - start,
             **{k: m.get(k) for k in KEEP},
@@ -296,7 +305,74 @@ KEEP = (
     "allocator_cap_gib",
     "tokens_per_s",
     "truncated_answer_frac",
+    "alloc_retries",  # cudaMalloc failed (or the cap was reached) and the allocator freed its cache to retry
+    "alloc_ooms",
 )
+
+
+def pressed_design(press: float) -> tuple[list[tuple[str, int, dict[str, Any]]], dict[int, float]]:
+    """The fresh set's settings that trained at the 24 GiB cap, each with a card of its own measured peak allocated
+    x (1 + press) plus its CUDA context: what the caching allocator held beyond that (0.1-3.4 GiB on these) it must
+    give back (free its cached blocks and retry) or the trial OOMs."""
+    todo, budgets = [], {}
+    for r in json.loads(FRESH_RAW.read_text())["rows"]:
+        if r["status"] != "ok" or not r.get("peak_vram_allocated_gib"):
+            continue
+        budgets[r["index"]] = r["peak_vram_allocated_gib"] * (1 + press) + r["cuda_context_gib"]
+        todo.append(("pressed", r["index"], r["setting"]))
+    return todo, budgets
+
+
+def pressed(raw_file: Path) -> None:
+    """What the pressed run showed against the same settings at the 24 GiB cap: how many trained on a card cut to
+    their peak allocated + PRESS, how often the allocator gave its cache back (alloc_retries), at what speed, and the
+    cache each held unpressed."""
+    raw = json.loads(raw_file.read_text())
+    before = {r["index"]: r for r in json.loads(FRESH_RAW.read_text())["rows"]}
+    rows = []
+    for r in raw["rows"]:
+        b = before[r["index"]]
+        cache = b["peak_vram_reserved_gib"] - b["peak_vram_allocated_gib"]
+        rows.append(
+            {
+                "setting": r["setting"],
+                "budget_gib": r["budget_gib"],
+                "status": r["status"],
+                "failure_kind": r["failure_kind"],
+                "unpressed_reserved_gib": b["peak_vram_reserved_gib"],
+                "unpressed_allocated_gib": b["peak_vram_allocated_gib"],
+                "unpressed_cache_gib": cache,
+                "pressed_reserved_gib": r.get("peak_vram_reserved_gib"),
+                "pressed_allocated_gib": r.get("peak_vram_allocated_gib"),
+                "alloc_retries": r.get("alloc_retries"),
+                "speed_vs_unpressed": r["tokens_per_s"] / b["tokens_per_s"]
+                if r.get("tokens_per_s") and b.get("tokens_per_s")
+                else None,
+            }
+        )
+    ok = [x for x in rows if x["status"] == "ok"]
+    press = raw.get("press") or PRESS
+    big = [x for x in rows if x["unpressed_cache_gib"] > press * x["unpressed_allocated_gib"]]
+    speeds = [x["speed_vs_unpressed"] for x in ok if x["speed_vs_unpressed"]]
+    summary = {
+        "rule": f"each setting of the fresh set that trained at the {BUDGET:g} GiB cap, run again on a card of its own "
+        f"peak allocated x {1 + press:g} + its CUDA context (hardware.vram_budget_gib): what its allocator cached "
+        "beyond that must be given back, or the trial OOMs",
+        "settings": len(rows),
+        "trained": len(ok),
+        "oom": [x["setting"] for x in rows if x["failure_kind"] == "oom"],
+        "other_failures": [x["setting"] for x in rows if x["status"] != "ok" and x["failure_kind"] != "oom"],
+        "cache_beyond_the_cap": len(big),
+        "cache_beyond_the_cap_trained": sum(1 for x in big if x["status"] == "ok"),
+        "with_alloc_retries": sum(1 for x in ok if (x["alloc_retries"] or 0) > 0),
+        "speed_vs_unpressed_median": float(np.median(speeds)) if speeds else None,
+        "speed_vs_unpressed_min": min(speeds) if speeds else None,
+        "gpu": raw.get("gpu"),
+    }
+    out = RESULTS / "memory_model_pressed_h200.json"
+    out.write_text(json.dumps({"command": f"python -m benchmarks.memory_random_h200 pressed {_shown(raw_file)}",
+                               "raw": raw, "summary": summary, "settings": rows}, indent=1, default=str))  # fmt: skip
+    print(json.dumps(summary, indent=2, default=str))
 
 
 def _raw(rows: list[dict[str, Any]], t0: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -308,6 +384,7 @@ def _raw(rows: list[dict[str, Any]], t0: float, args: argparse.Namespace) -> dic
         "slots": args.slots,
         "probe": PROBE,
         "budget_gib": BUDGET,
+        "press": args.press if args.design == "pressed" else None,
         # the caching allocator's settings the trials ran under (expandable_segments changes fragmentation)
         "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "versions": versions(),
@@ -561,18 +638,28 @@ def main() -> None:
     r.add_argument("--slots", type=int, default=5)
     r.add_argument("--trial-timeout-s", type=float, default=240)
     r.add_argument("--tag", default=None, help="suffix of the raw file's name (memory_random_raw<tag>.json)")
-    r.add_argument("--design", choices=("first", "fresh"), default="first", help="fresh: the final judgement's set")
+    r.add_argument(
+        "--design",
+        choices=("first", "fresh", "pressed"),
+        default="first",
+        help="fresh: the final judgement's set; pressed: the fresh set on cards cut to its peak allocated",
+    )
+    r.add_argument("--press", type=float, default=PRESS, help="pressed: the cap's share above peak allocated")
     d = sub.add_parser("design")
     d.add_argument("--fresh", action="store_true", help="the final judgement's fresh random set")
     s = sub.add_parser("summarize")
     s.add_argument("raw", type=Path, nargs="+", help="the first design's raw files (default allocator, expandable)")
     s.add_argument("--fresh", type=Path, default=None, help="the fresh set's raw file: judged on it alone")
     s.add_argument("--tag", default="", help="suffix of the result files' names")
+    pr = sub.add_parser("pressed")
+    pr.add_argument("raw", type=Path, help="the pressed run's raw file (memory_random_raw_pressed.json)")
     args = p.parse_args()
     if args.what == "design":
         design_fresh() if args.fresh else design()
     elif args.what == "run":
         run(args)
+    elif args.what == "pressed":
+        pressed(args.raw)
     else:
         summarize(args.raw, args.fresh, args.tag)
 

@@ -13,4 +13,4 @@
 #   then here: python -m benchmarks.memory_random_h200 summarize benchmarks/results/memory_model_random_raw_h200.json \
 #     benchmarks/results/memory_model_random_raw_expandable_h200.json --fresh <files_at>/memory_random_raw_fresh.json
 MODULE=benchmarks.memory_random_h200 COPY=/tmp/memory_random_run COLLECT='memory_random_raw*.json' \
-  LOGS='build.log calibration*.log held_out*.log fresh*.log' exec bash "$(dirname "$0")/memory_h200.sh" "$@"
+  LOGS='build.log calibration*.log held_out*.log fresh*.log pressed*.log' exec bash "$(dirname "$0")/memory_h200.sh" "$@"
