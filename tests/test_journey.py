@@ -153,6 +153,9 @@ def test_a_real_tiny_sweep_finds_measures_soaks_and_promotes_the_setting(root: P
         # 2-core machine with 0.21 GiB resident: the kernel refuses by the data segment (RLIMIT_DATA), which a
         # process's timing-dependent reservations inflate. The rule under test does not depend on which lever wins.
         "model.upcast_non_quantized=choice(true)",
+        # The soak trains an epoch: of the sample's first 96 rows (12 steps at batch 8), which hold its longest row
+        # (163 tokens, row 34) and so ask for the same lengths as all 400 rows (50 steps, a minute on a busy machine).
+        "data.max_rows=96",
         root=root,
         timeout=900,
     )
