@@ -210,6 +210,13 @@ def _group(item: pytest.Item) -> str | None:
     return None
 
 
+def slow_seconds(item: pytest.Item) -> float:
+    """About how long the test takes in `make test`, as its mark says: `slow(seconds=N)`; a `slow` mark without
+    seconds, 10; no mark, 0."""
+    mark = item.get_closest_marker("slow")
+    return 0.0 if mark is None else float(mark.kwargs.get("seconds", 10))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None or _GROUPS_KEY not in workerinput:
@@ -219,16 +226,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mine = path.with_name(f"{path.name}.{workerinput['workerid']}")
     mine.write_text(json.dumps({nodeid: group for nodeid, group in groups.items() if group}))
     mine.replace(path)  # every worker writes the same map; the controller reads it once all have collected
-    # Longest first, so the last minutes are not one worker alone on a long group: the services, then each other
-    # group and each `slow` test, then the rest; file order kept within each (sorted() is stable). Every worker
-    # sorts alike: xdist requires one collection order.
-    slow = {item.nodeid for item in items if item.get_closest_marker("slow")}
 
-    def rank(item: pytest.Item) -> int:
+    # Longest first, so the last minutes are short tests on both workers, not one worker alone on a long one: the
+    # services, then each other group (xdist then orders the groups by their number of tests, biggest first), then
+    # the tests that share nothing, by the seconds their `slow` mark says, longest first. File order is kept within
+    # each (sorted() is stable), so a group's tests run in their file's order. Every worker sorts alike: xdist
+    # requires one collection order.
+    def rank(item: pytest.Item) -> tuple[int, float]:
         group = groups[item.nodeid]
         if group == "services":
-            return 0
-        return 1 if group or item.nodeid in slow else 2
+            return (0, 0.0)
+        return (1, 0.0) if group else (2, -slow_seconds(item))
 
     items[:] = sorted(items, key=rank)
 

@@ -21,6 +21,7 @@ BATCH, ACCUMULATION = "trainer.per_device_train_batch_size", "trainer.gradient_a
 SETTINGS = [(4, 1, 1), (4, 2, 1), (4, 1, 2), (8, 1, 1)]
 
 
+@pytest.mark.slow(seconds=33)
 def test_the_cpu_peak_moves_with_the_micro_batch_not_with_accumulation_and_is_the_same_on_every_run(
     root: Path, mlflow_client
 ) -> None:

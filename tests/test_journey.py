@@ -42,6 +42,7 @@ def standin(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=N
     return Outcome("ok", metrics=metrics)
 
 
+@pytest.mark.slow(seconds=9)
 def test_a_failing_recipe_whose_short_lengths_cut_answers_ends_soaked_and_promoted(
     root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -124,6 +125,7 @@ def test_the_search_is_made_once_and_only_when_the_recipe_is_not_good(
     assert "sweep.recommendation" not in study.user_attrs
 
 
+@pytest.mark.slow(seconds=46)
 def test_a_real_tiny_sweep_finds_measures_soaks_and_promotes_the_setting(root: Path) -> None:
     """The same rule on a real sweep of the tiny Llama on the CPU. The budget (0.32 GiB beyond start-up, the demo's)
     refuses the recipe (batch 16 at 256 tokens, which keeps every answer) at its first step; lengths 32 and 48 fit

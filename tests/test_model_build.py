@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import compose_cfg, new_store, run_cli
 
 BIGGER = [
@@ -30,6 +32,7 @@ def _trial(root: Path, cache: Path, name: str) -> tuple[dict, str]:
     return json.loads((root / name / "result.json").read_text()), done.stderr
 
 
+@pytest.mark.slow(seconds=32)
 def test_a_trial_that_must_build_its_model_builds_it_in_a_process_of_its_own(tmp_path: Path, empty_store: Path) -> None:
     cache = tmp_path / "cache"
     new_store(tmp_path, empty_store)

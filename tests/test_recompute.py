@@ -79,7 +79,12 @@ def _train_steps(recompute: str, compiled: bool = False, steps: int = 3) -> dict
     return {"cfg": cfg, "losses": losses, "grads": grads, "weights": weights, "matmuls": backward_matmuls}
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_layers"])
+# slow: the seconds with a fresh inductor cache (a fresh clone, CI); compiled, ~11 s once the cache holds the kernels
+@pytest.mark.parametrize(
+    "compiled",
+    [pytest.param(False, marks=pytest.mark.slow(seconds=10)), pytest.param(True, marks=pytest.mark.slow(seconds=50))],
+    ids=["eager", "compiled_layers"],
+)
 def test_selective_recompute_trains_the_same_adapter_and_skips_the_down_projection(root: Path, compiled: bool) -> None:
     """Eager: torch's selective checkpoint caches the kept outputs and replays the rest. Compiled layers
     (trainer.torch_compile=layers, ~20 s here): each layer's checkpoint call is compiled with the layer in it
@@ -107,7 +112,9 @@ def test_selective_recompute_trains_the_same_adapter_and_skips_the_down_projecti
         assert {k: v for k, v in f.items() if k != mlp} == {k: v for k, v in s.items() if k != mlp}, (f, s)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_layers"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow(seconds=35))], ids=["eager", "compiled_layers"]
+)
 def test_the_trainer_s_checkpoint_call_carries_the_policy_to_every_layer(
     root: Path, tmp_path: Path, compiled: bool
 ) -> None:

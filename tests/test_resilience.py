@@ -56,6 +56,7 @@ def _assert_told_what_it_measured(root: Path, study: str, client, number: int = 
 # ---- item 4: a measured trial is never turned into `killed` -------------------------------------------------
 
 
+@pytest.mark.slow(seconds=12)
 @pytest.mark.parametrize("death", ["sigkill", "sigkill_elsewhere", "sigterm"])
 def test_a_trial_that_recorded_itself_before_its_sweeper_died_is_told_what_it_measured(
     root: Path, mlflow_client, death: str
@@ -87,6 +88,7 @@ def test_a_trial_that_recorded_itself_before_its_sweeper_died_is_told_what_it_me
         assert "trial 1 had finished (ok) when its sweep worker died: told what its records say" in again.stderr
 
 
+@pytest.mark.slow(seconds=12)
 def test_a_sigterm_during_a_soak_leaves_no_run_running_and_the_resume_finishes_the_soak(
     root: Path, mlflow_client
 ) -> None:
@@ -116,6 +118,7 @@ def test_a_sigterm_during_a_soak_leaves_no_run_running_and_the_resume_finishes_t
 # ---- item 7: a full disk ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=12)
 def test_a_full_disk_stops_the_sweep_with_one_line_and_the_resume_keeps_what_was_measured(
     root: Path, mlflow_client
 ) -> None:
@@ -136,6 +139,7 @@ def test_a_full_disk_stops_the_sweep_with_one_line_and_the_resume_keeps_what_was
     _assert_told_what_it_measured(root, "full", mlflow_client)
 
 
+@pytest.mark.slow(seconds=11)
 @pytest.mark.parametrize("full", ["mlflow_full", "everything_full"])
 def test_a_full_disk_under_mlflow_says_one_line_keeps_the_tracebacks_in_the_study_log_and_leaves_nothing_running(
     root: Path, mlflow_client, full: str
@@ -174,6 +178,7 @@ def test_a_full_disk_under_mlflow_says_one_line_keeps_the_tracebacks_in_the_stud
     assert held.info.status == "KILLED" and held.data.tags["failure.kind"] == "killed"
 
 
+@pytest.mark.slow(seconds=14)
 def test_the_tracking_server_dying_stops_the_sweep_with_one_line_within_a_minute(root: Path, tmp_path: Path) -> None:
     """The MLflow server killed once a trial ran (issue #30, 15): the engine's calls fail fast (bounded retries, not
     MLflow's ~4 minutes of backoff), and the sweep stops as for a full disk: one line naming the store, exit 1,
@@ -282,7 +287,7 @@ def test_retry_failed_trials_queues_only_what_the_sweep_killed_as_what_it_was_qu
 # ---- item 6: Ctrl-C -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=10)
 def test_ctrl_c_stops_the_trials_marks_them_interrupted_and_says_how_to_resume(root: Path, mlflow_client) -> None:
     """A real trial runs (it would hang at its first step); Ctrl-C (SIGINT to the sweep process: its trials are in
     sessions of their own, out of the terminal's reach) ends the trial's process group, records it as killed by the
@@ -393,7 +398,7 @@ def test_trials_start_in_a_session_of_their_own_without_preexec_fn(root: Path, m
     assert seen["env"][PARENT_ENV] == str(os.getpid()), "the trial learns whose death it dies with"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=3)
 def test_a_trial_dies_with_the_engine_thread_that_started_it(root: Path) -> None:
     """The engine's stand-in starts a real trial from a thread, as each slot does, and is killed with SIGKILL once
     the trial has begun (Hydra has written its config: its parent-death signal is set before that, src/train.py):
