@@ -21,7 +21,7 @@ from src.config import PROJECT_DIR
 from src.sweep.engine import SweepEngine
 from src.sweep.process import Outcome
 from src.sweep.rules import named_constraints
-from tests.conftest import compose_cfg, run_cli, sweep_argv
+from tests.conftest import compose_cfg, empty_store_file, new_store, run_cli, sweep_argv
 
 
 def _study(root: Path, name: str) -> optuna.Study:
@@ -217,7 +217,10 @@ def _fake_sweep(
     queue_seed: bool = False,
 ):
     """The engine, in this process, with `process` standing in for each trial's process (no model is built):
-    one CPU slot, no progress bar, nothing queued unless `queue_seed`. Returns the composed config."""
+    one CPU slot, no progress bar, nothing queued unless `queue_seed`, into the test's root (QLORA_ROOT, the `root`
+    fixture's), whose MLflow store is a copy of the run's empty one (conftest.empty_store_file) where it has none
+    yet. Returns the composed config."""
+    new_store(Path(os.environ["QLORA_ROOT"]), empty_store_file(Path(os.environ["QLORA_CACHE"])))
     monkeypatch.setattr("src.sweep.launch.run_process", process)
     monkeypatch.setattr("src.sweep.prepare.build_model", lambda *a: None)
     cfg = compose_cfg(
