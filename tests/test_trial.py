@@ -151,7 +151,7 @@ def test_upcast_non_quantized_decides_the_dtype_of_embeddings_norms_and_lm_head(
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()), "its layers checkpoint"
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.mark.xdist_group("inductor")  # after tests/test_recompute.py's compiled tests, whose kernels it reuses
 def test_compiled_layers_train_the_same_adapter_with_one_graph_for_every_layer(root: Path) -> None:
     import torch._dynamo
 
