@@ -1,10 +1,11 @@
 """What a trial process and the sweep engine that launched it tell each other: files in the trial's folder and
-environment variables. Both sides read the names here; the trial's side of one of them (dying with the engine
-that names itself in PARENT_ENV) is here too.
+environment variables. Both sides read the names here; the trial's side of two of them (dying with the engine
+that names itself in PARENT_ENV, and its launch time from STARTED_ENV) is here too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -19,6 +20,20 @@ PARENT_ENV = "QLORA_TRIAL_PARENT"  # the engine's pid: the trial dies with it (d
 HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def trial_started() -> float:
+    """When this trial was launched: the engine's clock at launch (STARTED_ENV, so a forked trial counts its fork
+    too), else this process's start. The kernel's process start time is only as exact as its boot time (whole
+    seconds), so it can be up to a second early. Here, not in src.measure: a trial's first start-up phase ends
+    before it loads the training stack that src.measure imports (torch, transformers' trainer, peft)."""
+    launched = os.environ.get(STARTED_ENV)
+    if launched:
+        with contextlib.suppress(ValueError):
+            return float(launched)
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def die_with_parent(parent: int | None = None) -> None:

@@ -141,16 +141,16 @@ def run_trial_here(root: Path, overrides: list[str]) -> dict[str, Any]:
     return single.run(compose([*overrides, f"trainer.output_dir={out / 'trainer'}"]), out)
 
 
-@pytest.fixture(scope="session")
-def empty_store(cache_dir: Path) -> Path:
-    """An MLflow SQLite store with nothing in it but its tables, made once per run (under pytest-xdist, once for all
-    workers) and copied where a test's store goes: MLflow makes a new store by running its schema migrations, ~3.5
-    CPU-seconds each time, and the copy is the file those migrations make (its Default experiment's folder is the
-    project's mlruns/0, as for any store made from the project directory)."""
+def empty_store_file(cache: Path) -> Path:
+    """An MLflow SQLite store with nothing in it but its tables, made once per run in the run's model cache `cache`
+    (under pytest-xdist, once for all workers) and copied where a test's store goes: MLflow makes a new store by
+    running its schema migrations, ~1 CPU-second each time (3.5 in a fresh interpreter), and the copy is the file
+    those migrations make (its Default experiment's folder is the project's mlruns/0, as for any store made from
+    the project directory)."""
     from filelock import FileLock
     from mlflow.tracking import MlflowClient
 
-    path = cache_dir / "mlflow-empty.db"
+    path = cache / "mlflow-empty.db"
     with FileLock(str(path) + ".lock"):
         if not path.exists():
             partial = path.with_name(path.name + ".partial")
@@ -163,6 +163,12 @@ def empty_store(cache_dir: Path) -> Path:
                 os.chdir(cwd)
             partial.rename(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def empty_store(cache_dir: Path) -> Path:
+    """empty_store_file of this run's model cache."""
+    return empty_store_file(cache_dir)
 
 
 def new_store(root: Path, empty_store: Path) -> str:
@@ -210,6 +216,13 @@ def _group(item: pytest.Item) -> str | None:
     return None
 
 
+def slow_seconds(item: pytest.Item) -> float:
+    """About how long the test takes in `make test`, as its mark says: `slow(seconds=N)`; a `slow` mark without
+    seconds, 10; no mark, 0."""
+    mark = item.get_closest_marker("slow")
+    return 0.0 if mark is None else float(mark.kwargs.get("seconds", 10))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None or _GROUPS_KEY not in workerinput:
@@ -219,16 +232,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mine = path.with_name(f"{path.name}.{workerinput['workerid']}")
     mine.write_text(json.dumps({nodeid: group for nodeid, group in groups.items() if group}))
     mine.replace(path)  # every worker writes the same map; the controller reads it once all have collected
-    # Longest first, so the last minutes are not one worker alone on a long group: the services, then each other
-    # group and each `slow` test, then the rest; file order kept within each (sorted() is stable). Every worker
-    # sorts alike: xdist requires one collection order.
-    slow = {item.nodeid for item in items if item.get_closest_marker("slow")}
 
-    def rank(item: pytest.Item) -> int:
+    # Longest first, so the last minutes are short tests on both workers, not one worker alone on a long one: the
+    # services, then each other group (xdist then orders the groups by their number of tests, biggest first), then
+    # the tests that share nothing, by the seconds their `slow` mark says, longest first. File order is kept within
+    # each (sorted() is stable), so a group's tests run in their file's order. Every worker sorts alike: xdist
+    # requires one collection order.
+    def rank(item: pytest.Item) -> tuple[int, float]:
         group = groups[item.nodeid]
         if group == "services":
-            return 0
-        return 1 if group or item.nodeid in slow else 2
+            return (0, 0.0)
+        return (1, 0.0) if group else (2, -slow_seconds(item))
 
     items[:] = sorted(items, key=rank)
 

@@ -113,9 +113,11 @@ def _fill_the_disk_under_sqlalchemy(only: str) -> None:
     event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", full)
 
 
-def main(overrides: list[str]) -> None:
+def engine(overrides: list[str]) -> Any:
+    """The sweep engine the command runs, on the command's config. Its trials are `trial` once `main` put the
+    stand-ins in place (a test that runs it in its own process patches them in for the test's duration)."""
     from src.config import compose
-    from src.sweep import engine, launch, prepare
+    from src.sweep.engine import SweepEngine
 
     cfg = compose(
         [
@@ -131,9 +133,15 @@ def main(overrides: list[str]) -> None:
         ],
         hydra_config=True,
     )
+    return SweepEngine(cfg, ["lora.r=choice(4,8,16)"])
+
+
+def main(overrides: list[str]) -> None:
+    from src.sweep import launch, prepare
+
     launch.run_process = trial
     prepare.build_model = lambda *a: None  # stand-in trials: no model to build
-    engine.SweepEngine(cfg, ["lora.r=choice(4,8,16)"]).run()
+    engine(overrides).run()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def _leftovers(root: Path) -> list[str]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=31)
 def test_two_rank_trial_records_per_rank_peaks(root: Path, mlflow_client) -> None:
     done = run_cli("src.train", *DP, root=root)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -47,7 +47,7 @@ def test_two_rank_trial_records_per_rank_peaks(root: Path, mlflow_client) -> Non
     assert m["samples_per_s"] == pytest.approx(4 / m["step_time_s"], rel=0.5)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=33)
 def test_fault_on_rank_1_fails_the_trial_with_its_rank(root: Path, mlflow_client) -> None:
     """Rank 1 is SIGKILLed at step 2: it leaves no record, rank 0 fails on the lost peer and records that first,
     and only the launcher's report says which rank died how. A rank that records its own failure (an OOM) is the

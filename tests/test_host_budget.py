@@ -43,6 +43,7 @@ def test_the_budget_refuses_an_allocation_past_it_measures_the_peak_and_is_lifte
     torch.empty(int(0.3 * GIB), dtype=torch.uint8)
 
 
+@pytest.mark.slow(seconds=15)
 def test_a_trial_past_its_budget_fails_as_oom_with_what_it_held_and_asked_for(root: Path, mlflow_client) -> None:
     """Batch 8 of the sample's rows needs ~0.28 GiB beyond the start-up (most of it trl's LM-head tile: 128 KiB per
     token); on a 0.15 GiB budget its first step fails, as on a card of that size."""

@@ -42,6 +42,7 @@ def standin(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=N
     return Outcome("ok", metrics=metrics)
 
 
+@pytest.mark.slow(seconds=9)
 def test_a_failing_recipe_whose_short_lengths_cut_answers_ends_soaked_and_promoted(
     root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -124,6 +125,7 @@ def test_the_search_is_made_once_and_only_when_the_recipe_is_not_good(
     assert "sweep.recommendation" not in study.user_attrs
 
 
+@pytest.mark.slow(seconds=46)
 def test_a_real_tiny_sweep_finds_measures_soaks_and_promotes_the_setting(root: Path) -> None:
     """The same rule on a real sweep of the tiny Llama on the CPU. The budget (0.32 GiB beyond start-up, the demo's)
     refuses the recipe (batch 16 at 256 tokens, which keeps every answer) at its first step; lengths 32 and 48 fit
@@ -153,6 +155,9 @@ def test_a_real_tiny_sweep_finds_measures_soaks_and_promotes_the_setting(root: P
         # 2-core machine with 0.21 GiB resident: the kernel refuses by the data segment (RLIMIT_DATA), which a
         # process's timing-dependent reservations inflate. The rule under test does not depend on which lever wins.
         "model.upcast_non_quantized=choice(true)",
+        # The soak trains an epoch: of the sample's first 96 rows (12 steps at batch 8), which hold its longest row
+        # (163 tokens, row 34) and so ask for the same lengths as all 400 rows (50 steps, a minute on a busy machine).
+        "data.max_rows=96",
         root=root,
         timeout=900,
     )

@@ -195,6 +195,7 @@ def test_default_policy_refuses_truncating_data_and_accepts_a_clean_file(suffix:
     assert report.stats["tokens_max"] < LIMIT
 
 
+@pytest.mark.slow(seconds=9)
 def test_cli_refuses_truncating_csv_and_names_the_rows(root: Path) -> None:
     rows = [*_clean_rows(), ("Reports nausea.", _answer("nausea", note="after meals " * 150))]
     path = _write(rows, root / "notes.csv")

@@ -7,10 +7,13 @@ import io
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from src.measure import progress
 from tests.conftest import run_cli
 
 
+@pytest.mark.slow(seconds=14)
 def test_a_trial_prints_no_per_step_dicts_and_logs_them_to_its_file(root: Path, mlflow_client) -> None:
     done = run_cli(
         "src.train", "trainer=probe", "trainer.max_steps=3", "trainer.logging_steps=1", "trainer.bf16=false", root=root

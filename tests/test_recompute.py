@@ -79,7 +79,15 @@ def _train_steps(recompute: str, compiled: bool = False, steps: int = 3) -> dict
     return {"cfg": cfg, "losses": losses, "grads": grads, "weights": weights, "matmuls": backward_matmuls}
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_layers"])
+# The compiled tests share one worker (xdist_group "inductor", with tests/test_trial.py's), one after another: with a
+# fresh inductor cache (a fresh clone, CI) the first builds the precompiled header and the kernels the next reuse.
+# On a fresh cache: the trainer's two compiled tests ~70 s each alone; the three on one worker 74 s, 43 s and 22 s.
+COMPILED = pytest.param(True, marks=pytest.mark.xdist_group("inductor"))
+
+
+@pytest.mark.parametrize(
+    "compiled", [pytest.param(False, marks=pytest.mark.slow(seconds=10)), COMPILED], ids=["eager", "compiled_layers"]
+)
 def test_selective_recompute_trains_the_same_adapter_and_skips_the_down_projection(root: Path, compiled: bool) -> None:
     """Eager: torch's selective checkpoint caches the kept outputs and replays the rest. Compiled layers
     (trainer.torch_compile=layers, ~20 s here): each layer's checkpoint call is compiled with the layer in it
@@ -107,7 +115,7 @@ def test_selective_recompute_trains_the_same_adapter_and_skips_the_down_projecti
         assert {k: v for k, v in f.items() if k != mlp} == {k: v for k, v in s.items() if k != mlp}, (f, s)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_layers"])
+@pytest.mark.parametrize("compiled", [False, COMPILED], ids=["eager", "compiled_layers"])
 def test_the_trainer_s_checkpoint_call_carries_the_policy_to_every_layer(
     root: Path, tmp_path: Path, compiled: bool
 ) -> None:

@@ -41,6 +41,22 @@ def _fake_sweep(root: Path, study: str, *overrides: str, fault: str | None = Non
     return run_cli("tests.fake_sweep", *args, root=root, timeout=300, env=env)
 
 
+def _resume(root: Path, monkeypatch: pytest.MonkeyPatch, study: str, *overrides: str) -> int:
+    """The same command as `_fake_sweep` again, in this process: the sweep process that died or stopped is gone, and
+    the resume reads only what it left in the stores and the study's folder; a fresh interpreter would add ~5 s of
+    imports and nothing the resume reads. Its exit code; what it prints is the test's capsys and caplog."""
+    from tests import fake_sweep
+
+    monkeypatch.setenv("QLORA_ROOT", str(root))
+    monkeypatch.setattr("src.sweep.launch.run_process", fake_sweep.trial)
+    monkeypatch.setattr("src.sweep.prepare.build_model", lambda *a: None)
+    try:
+        fake_sweep.engine([f"hydra.sweeper.study_name={study}", "hydra.sweeper.n_trials=3", *overrides]).run()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
 def _assert_told_what_it_measured(root: Path, study: str, client, number: int = 1) -> None:
     trials = _study(root, study).get_trials()
     assert len(trials) == 3 and not [t.number for t in trials if not t.state.is_finished()]
@@ -56,9 +72,10 @@ def _assert_told_what_it_measured(root: Path, study: str, client, number: int = 
 # ---- item 4: a measured trial is never turned into `killed` -------------------------------------------------
 
 
+@pytest.mark.slow(seconds=7)
 @pytest.mark.parametrize("death", ["sigkill", "sigkill_elsewhere", "sigterm"])
 def test_a_trial_that_recorded_itself_before_its_sweeper_died_is_told_what_it_measured(
-    root: Path, mlflow_client, death: str
+    root: Path, mlflow_client, death: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The sweep process dies between the trial's own records (result.json, its MLflow run FINISHED) and telling
     Optuna. kill -9: the next run tells it from its folder, or from its MLflow run alone when it ran on another
@@ -80,15 +97,16 @@ def test_a_trial_that_recorded_itself_before_its_sweeper_died_is_told_what_it_me
         storage.set_trial_user_attr(trial_id, "worker.host", "another-node")
         shutil.rmtree(root / "sweeps" / "died" / "trials" / "001")
         time.sleep(3)  # past the grace period: its heartbeat is stale
-    again = _fake_sweep(root, "died", *heartbeat)
-    assert again.returncode == 0, again.stderr[-3000:]
+    with caplog.at_level("WARNING", logger="src.sweep.teller"):
+        assert _resume(root, monkeypatch, "died", *heartbeat) == 0
     _assert_told_what_it_measured(root, "died", mlflow_client)
     if death != "sigterm":
-        assert "trial 1 had finished (ok) when its sweep worker died: told what its records say" in again.stderr
+        assert "trial 1 had finished (ok) when its sweep worker died: told what its records say" in caplog.text
 
 
+@pytest.mark.slow(seconds=8)
 def test_a_sigterm_during_a_soak_leaves_no_run_running_and_the_resume_finishes_the_soak(
-    root: Path, mlflow_client
+    root: Path, mlflow_client, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     """Issue 30 finding 10: a soak is launched, stopped and recorded as every trial is (src/sweep/launch.py). A
     SIGTERM while the finalist soaks ends the sweep with its one line, the soak's run KILLED (it stayed RUNNING for
@@ -104,9 +122,10 @@ def test_a_sigterm_during_a_soak_leaves_no_run_running_and_the_resume_finishes_t
     assert [(r.info.status, r.data.tags["failure.kind"]) for r in soaks] == [("KILLED", "killed")]
     assert _study(root, "soaked").user_attrs["soak.2"]["status"] == "stopped"
 
-    again = _fake_sweep(root, "soaked", *soak)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "soak: trial 2 passed" in again.stdout, again.stdout[-3000:]
+    capsys.readouterr()
+    assert _resume(root, monkeypatch, "soaked", *soak) == 0
+    printed = capsys.readouterr().out
+    assert "soak: trial 2 passed" in printed, printed[-3000:]
     assert _study(root, "soaked").user_attrs["soak.2"]["status"] == "passed"
     runs = _runs(mlflow_client, "soaked")
     assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
@@ -116,8 +135,9 @@ def test_a_sigterm_during_a_soak_leaves_no_run_running_and_the_resume_finishes_t
 # ---- item 7: a full disk ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=7)
 def test_a_full_disk_stops_the_sweep_with_one_line_and_the_resume_keeps_what_was_measured(
-    root: Path, mlflow_client
+    root: Path, mlflow_client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = _fake_sweep(root, "full", fault="disk_full@1")
     assert first.returncode == 1, first.stderr[-3000:]
@@ -131,14 +151,14 @@ def test_a_full_disk_stops_the_sweep_with_one_line_and_the_resume_keeps_what_was
     assert parent.info.status == "KILLED", "stopped, not finished"
     assert len(_study(root, "full").get_trials()) == 2, "no trial asked after the disk filled"
 
-    again = _fake_sweep(root, "full")
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert _resume(root, monkeypatch, "full") == 0
     _assert_told_what_it_measured(root, "full", mlflow_client)
 
 
+@pytest.mark.slow(seconds=7)
 @pytest.mark.parametrize("full", ["mlflow_full", "everything_full"])
 def test_a_full_disk_under_mlflow_says_one_line_keeps_the_tracebacks_in_the_study_log_and_leaves_nothing_running(
-    root: Path, mlflow_client, full: str
+    root: Path, mlflow_client, full: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 30, 21: a real full disk under the MLflow store made MLflow log each failed write with its traceback, 180
     lines on the terminal before the sweep's one line. Now they go to sweeps/<study>/sweep.log and the terminal gets
@@ -163,8 +183,7 @@ def test_a_full_disk_under_mlflow_says_one_line_keeps_the_tracebacks_in_the_stud
     kept = log.read_text()
     assert "Traceback" in kept and "database or disk is full" in kept and "ERROR mlflow" in kept
 
-    again = run_cli("tests.fake_sweep", "hydra.sweeper.study_name=full", "hydra.sweeper.n_trials=3", root=root)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert _resume(root, monkeypatch, "full") == 0
     trials = _study(root, "full").get_trials()
     assert not [t.number for t in trials if not t.state.is_finished()]
     assert trials[0].state == TrialState.FAIL and trials[0].user_attrs["failure.kind"] == "killed"
@@ -174,6 +193,7 @@ def test_a_full_disk_under_mlflow_says_one_line_keeps_the_tracebacks_in_the_stud
     assert held.info.status == "KILLED" and held.data.tags["failure.kind"] == "killed"
 
 
+@pytest.mark.slow(seconds=14)
 def test_the_tracking_server_dying_stops_the_sweep_with_one_line_within_a_minute(root: Path, tmp_path: Path) -> None:
     """The MLflow server killed once a trial ran (issue #30, 15): the engine's calls fail fast (bounded retries, not
     MLflow's ~4 minutes of backoff), and the sweep stops as for a full disk: one line naming the store, exit 1,
@@ -282,7 +302,7 @@ def test_retry_failed_trials_queues_only_what_the_sweep_killed_as_what_it_was_qu
 # ---- item 6: Ctrl-C -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=10)
 def test_ctrl_c_stops_the_trials_marks_them_interrupted_and_says_how_to_resume(root: Path, mlflow_client) -> None:
     """A real trial runs (it would hang at its first step); Ctrl-C (SIGINT to the sweep process: its trials are in
     sessions of their own, out of the terminal's reach) ends the trial's process group, records it as killed by the
@@ -393,7 +413,7 @@ def test_trials_start_in_a_session_of_their_own_without_preexec_fn(root: Path, m
     assert seen["env"][PARENT_ENV] == str(os.getpid()), "the trial learns whose death it dies with"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=3)
 def test_a_trial_dies_with_the_engine_thread_that_started_it(root: Path) -> None:
     """The engine's stand-in starts a real trial from a thread, as each slot does, and is killed with SIGKILL once
     the trial has begun (Hydra has written its config: its parent-death signal is set before that, src/train.py):

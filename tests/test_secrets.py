@@ -149,6 +149,7 @@ def _start(root: Path, env: dict[str, str], *overrides: str) -> subprocess.Popen
     )
 
 
+@pytest.mark.slow(seconds=17)
 def test_planted_tokens_reach_neither_mlflow_nor_sweeps_nor_logs(root: Path, tokens: dict, mlflow_client) -> None:
     """A token in the environment and two in overrides (by key, and inside a prompt); a trial that trains and
     one that preflight refuses. Then every byte under mlruns/ (the SQLite store and the artifacts) and

@@ -21,7 +21,7 @@ from src.config import PROJECT_DIR
 from src.sweep.engine import SweepEngine
 from src.sweep.process import Outcome
 from src.sweep.rules import named_constraints
-from tests.conftest import compose_cfg, run_cli, sweep_argv
+from tests.conftest import compose_cfg, empty_store_file, new_store, run_cli, sweep_argv
 
 
 def _study(root: Path, name: str) -> optuna.Study:
@@ -46,7 +46,7 @@ BY_PROCESS = ("ok", "segfault")
 FORKED = ("ok", "oom", "launch_failure", "segfault", "killed", "timeout", "data_error", "config_error")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=35)
 @pytest.mark.parametrize(("launcher", "scenarios"), [("interpreter", BY_PROCESS), ("forkserver", FORKED)])
 def test_every_fault_kind_is_classified_and_the_sweep_goes_on(
     root: Path, mlflow_client, launcher: str, scenarios: tuple[str, ...]
@@ -133,7 +133,7 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(
         assert_report_reads(root, name, native, f"sqlite:///{root}/mlruns/mlflow.db")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=38)
 def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) -> None:
     args = [
         sys.executable,
@@ -217,7 +217,10 @@ def _fake_sweep(
     queue_seed: bool = False,
 ):
     """The engine, in this process, with `process` standing in for each trial's process (no model is built):
-    one CPU slot, no progress bar, nothing queued unless `queue_seed`. Returns the composed config."""
+    one CPU slot, no progress bar, nothing queued unless `queue_seed`, into the test's root (QLORA_ROOT, the `root`
+    fixture's), whose MLflow store is a copy of the run's empty one (conftest.empty_store_file) where it has none
+    yet. Returns the composed config."""
+    new_store(Path(os.environ["QLORA_ROOT"]), empty_store_file(Path(os.environ["QLORA_CACHE"])))
     monkeypatch.setattr("src.sweep.launch.run_process", process)
     monkeypatch.setattr("src.sweep.prepare.build_model", lambda *a: None)
     cfg = compose_cfg(
@@ -238,6 +241,7 @@ def _fake_sweep(
     return cfg
 
 
+@pytest.mark.slow(seconds=8)
 def test_sampler_learns_to_avoid_the_oom_region(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A synthetic objective with a memory model: the engine's telling (constraint = need / budget - 1) must make
     TPE spend fewer trials in the OOM region in the second half of the sweep than in the first."""
@@ -465,7 +469,7 @@ def test_impossible_slot_settings_are_refused_before_the_sweep_records_anything(
     assert not (root / "sweeps" / "slots").exists() and not (root / "mlruns" / "mlflow.db").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=15)
 def test_a_trial_past_its_time_limit_is_killed_as_a_timeout_even_while_it_makes_steps(root: Path) -> None:
     """trial_timeout_s is the whole trial's limit, apart from the stall watchdog (stall_timeout_s, set far
     beyond it here): a hung trial is killed with its process group and classified as a timeout."""

@@ -70,6 +70,7 @@ def test_lora_moves_and_4bit_base_stays_frozen(root: Path) -> None:
     assert sum(float(p.abs().sum()) for p in lora_b) > 0, "LoRA B starts at zero and must have moved"
 
 
+@pytest.mark.slow(seconds=12)
 def test_trial_records_every_contract_metric_and_tag_and_its_composed_config(root: Path, mlflow_client) -> None:
     done = run_cli("src.train", "trainer=probe", "trainer.max_steps=5", "measure.profile_step=4", "lora.r=8", root=root)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -150,6 +151,7 @@ def test_upcast_non_quantized_decides_the_dtype_of_embeddings_norms_and_lm_head(
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()), "its layers checkpoint"
 
 
+@pytest.mark.xdist_group("inductor")  # after tests/test_recompute.py's compiled tests, whose kernels it reuses
 def test_compiled_layers_train_the_same_adapter_with_one_graph_for_every_layer(root: Path) -> None:
     import torch._dynamo
 

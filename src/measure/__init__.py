@@ -3,6 +3,6 @@ useful FLOPs, and which kernels ran. What the trial uses is re-exported here."""
 
 from src.measure.kernels import AttentionProbe, StepProfiler
 from src.measure.memory import cap_to_budget
-from src.measure.steps import Measurements, trial_started
+from src.measure.steps import Measurements
 
-__all__ = ["AttentionProbe", "Measurements", "StepProfiler", "cap_to_budget", "trial_started"]
+__all__ = ["AttentionProbe", "Measurements", "StepProfiler", "cap_to_budget"]

@@ -4,34 +4,20 @@ peaks, loss (a NaN fails the trial), and the progress file the engine's watchdog
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from transformers import TrainerCallback
 
 from src.failures import NanLossError
-from src.handoff import STARTED_ENV
+from src.handoff import trial_started
 from src.measure.flops import FlopCounter
 from src.measure.memory import GIB, HostMemory, NvmlSampler
-
-
-def trial_started() -> float:
-    """When this trial was launched: the engine's clock at launch (handoff.STARTED_ENV, so a forked trial counts
-    its fork too), else this process's start. The kernel's process start time is only as exact as its boot time
-    (whole seconds), so it can be up to a second early."""
-    launched = os.environ.get(STARTED_ENV)
-    if launched:
-        with contextlib.suppress(ValueError):
-            return float(launched)
-    return psutil.Process().create_time()
 
 
 class Measurements(TrainerCallback):

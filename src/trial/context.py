@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from src import tracking
 from src.config import to_container
 from src.failures import ConfigError, DataError
-from src.handoff import HYDRA_FILES, RUN_ENV
+from src.handoff import HYDRA_FILES, RUN_ENV, trial_started
 
 if TYPE_CHECKING:
     import cProfile
@@ -50,8 +50,6 @@ class TrialContext:
         trial's launch), as the metric `startup.<phase>_s`. The phases add up to the start-up so far; `startup_s` is
         the whole start-up, launch to first step, and `startup.train_begin_s` (set by `record`) what the trainer did
         before it."""
-        from src.measure import trial_started
-
         now = time.time() - trial_started()
         self.phases[f"startup.{phase}_s"] = now - (self.phases_end_s or 0.0)
         self.phases_end_s = now

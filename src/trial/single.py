@@ -48,23 +48,25 @@ def train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     """Preflight, load the 4-bit model, attach LoRA and train it with SFTTrainer within the memory budget, logging
     to `ctx`'s run. What was built (measurements, trainer, probes) stays in `ctx` for the outcome, even when this
     raises."""
+    if cfg.measure.profile_startup:  # where the start-up goes, function by function (startup_profile.txt)
+        import cProfile
+
+        ctx.startup_profiler = cProfile.Profile()
+        ctx.startup_profiler.enable()
+    # Refused before the training stack loads: a setting preflight refuses is told in seconds, not after the
+    # imports of trl, peft and transformers' trainer (~3 s of a fresh interpreter on a CPU; a fork has them already).
+    check(cfg, ctx)
+    ctx.mark("preflight")
     from trl import SFTTrainer  # noqa: F401 - imports transformers, peft, accelerate: the `libraries` phase
 
     from src.measure import Measurements
     from src.measure.memory import budget
 
     ctx.mark("libraries")
-    if cfg.measure.profile_startup:  # where the start-up goes, function by function (startup_profile.txt)
-        import cProfile
-
-        ctx.startup_profiler = cProfile.Profile()
-        ctx.startup_profiler.enable()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # The watchdog reads the trial's progress file; in a data-parallel trial rank 0 writes it.
     progress = out_dir / PROGRESS_FILE if int(os.environ.get("RANK", "0")) == 0 else ctx.rank_dir / PROGRESS_FILE
     ctx.meas = Measurements(cfg, progress, world_size=world_size)
-    check(cfg, ctx)
-    ctx.mark("preflight")
     # On a GPU the allocator's cap; on a CPU the process's own memory, lifted when training ends (src/measure/memory.py)
     with budget(cfg.hardware.vram_budget_gib, ctx.meas) as facts:
         ctx.budget = facts
