@@ -394,6 +394,11 @@ def targets(s: dict) -> dict:
         "best_mfu": (">=", 0.50),
         "best_peak_vram_reserved_gib": ("<=", BUDGET_GIB),
         "vs_unsloth": (">=", 1.0),
+        # the cheaper map's, filled from benchmarks/map_quick_h200.py's run (None here until it ran)
+        "map_settings": (">=", 96.0),
+        "map_gpu_minutes": ("<=", 3.0),
+        "map_verdict_agreement": (">=", 0.98),
+        "fixed_cost_s": ("<=", 5.0),
     }
     out = {}
     for key, (op, goal) in goals.items():
