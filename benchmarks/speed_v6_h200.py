@@ -176,6 +176,28 @@ ARMS: tuple[Arm, ...] = (
         window_steps=3,
         candidate=True,  # the same adapter as d (tests/test_recompute.py): the best setting if it is faster
     ),
+    # The policy alone, without compiled layers (on the GPU image's transformers 5.17 the compiled path moves the
+    # checkpoint around the compiled layer, NOTES §13): full and selective recompute, eager layers, side by side.
+    Arm(
+        "e",
+        "d without compiled layers (eager layers): full recompute, the baseline of e_selective",
+        "project",
+        overrides=tuple(o for o in BEST if not o.startswith("trainer.torch_compile")),
+        estimate_s=70,  # start 5, load 5, 13 steps of ~3.5 s
+        limit_s=140,
+        window_steps=3,
+        candidate=True,
+    ),
+    Arm(
+        "e_selective",
+        "e with trainer.recompute=selective: the recompute policy's gain alone, eager layers",
+        "project",
+        overrides=(*(o for o in BEST if not o.startswith("trainer.torch_compile")), "trainer.recompute=selective"),
+        estimate_s=70,
+        limit_s=140,
+        window_steps=3,
+        candidate=True,
+    ),
 )
 
 
@@ -350,6 +372,14 @@ def summary(arms: dict[str, dict], order: Sequence[Arm] = ARMS) -> dict:
     out["selective_extra_reserved_gib"] = (
         selective["peak_vram_reserved_gib"] - full["peak_vram_reserved_gib"]
         if both and selective.get("peak_vram_reserved_gib") and full.get("peak_vram_reserved_gib")
+        else None
+    )
+    eager, eager_sel = arms.get("e") or {}, arms.get("e_selective") or {}
+    both = _rate(eager) and _rate(eager_sel)
+    out["selective_vs_full_recompute_eager_layers"] = _rate(eager_sel) / _rate(eager) if both else None
+    out["selective_extra_reserved_gib_eager_layers"] = (
+        eager_sel["peak_vram_reserved_gib"] - eager["peak_vram_reserved_gib"]
+        if both and eager_sel.get("peak_vram_reserved_gib") and eager.get("peak_vram_reserved_gib")
         else None
     )
     plain = _rate(arms.get("c") or {})

@@ -124,10 +124,15 @@ _CONFIG_TYPES = (
 
 
 def first_line(text: str) -> str:
-    for line in str(text).strip().splitlines():
-        if line.strip():
-            return line.strip()[:500]
-    return ""
+    """The message's first line with content; where it ends in a colon and the cause follows on the next line (torch
+    compile's "BackendCompilerFailed: backend='inductor' raised:"), that line too: a first line that only says
+    something raised tells nothing."""
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"[:500]
+    return lines[0][:500]
 
 
 def classify_text(text: str) -> str | None:

@@ -82,8 +82,9 @@ def _where(cfg: DictConfig, out_dir: Path, run_id: str) -> str:
             experiment = client.get_experiment(client.get_run(run_id).info.experiment_id).name
         except Exception:  # noqa: BLE001 - only a message: the run id still says where it is
             pass
+    tb = ", traceback.txt" if (folder / "traceback.txt").exists() else ""
     return (
-        f"results: {folder}/ (result.json, train.log, .hydra/)\n"
+        f"results: {folder}/ (result.json, train.log{tb}, .hydra/)\n"
         f"MLflow:  experiment '{experiment}', run {run_id}, in {redact.redact_text(str(cfg.tracking.uri))} "
         "(make ui: http://127.0.0.1:5000)"
     )

@@ -130,7 +130,7 @@ def test_the_summary_holds_the_issue_s_keys_and_compares_this_project_s_best_wit
 
 
 def test_the_deadline_runs_the_arms_in_their_order_of_importance_and_skips_what_does_not_fit() -> None:
-    assert [a.name for a in v6.ARMS] == ["d", "b", "c", "a", "d_nodrop", "d_selective"]
+    assert [a.name for a in v6.ARMS] == ["d", "b", "c", "a", "d_nodrop", "d_selective", "e", "e_selective"]
     assert [a.name for a in v6.select(["d_selective", "d"])] == ["d", "d_selective"], "beside d, after it"
     assert [a.name for a in v6.select(["a", "b", "d"])] == ["d", "b", "a"], "importance, not the order asked"
     d, b = v6.ARMS[0], v6.ARMS[1]

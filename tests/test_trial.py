@@ -210,6 +210,7 @@ def test_failing_trial_ends_failed_with_kind_step_and_traceback(root: Path, mlfl
     assert "loss became nan" in tags["failure.message"]
     artifacts = {a.path for a in mlflow_client.list_artifacts(run.info.run_id)}
     assert {"traceback.txt", "preflight.txt"} <= artifacts
+    assert "loss became nan" in (root / "trial" / "traceback.txt").read_text(), "beside result.json too"
     assert "peak_rss_gib" in run.data.metrics, "what was measured before the failure is kept"
 
 
@@ -313,6 +314,17 @@ def test_a_host_oom_trial_fails_as_the_process_s_not_as_the_setting_s(
     assert all(t.state == optuna.trial.TrialState.FAIL and not t.constraints for t in trials)
     sweep = report.load("host", root / "sweeps", tracking_uri=str(cfg.tracking.uri))
     assert [r.detail for r in sweep.rows] == ["host_oom at step 3", "host_oom at step 3"]
+
+
+def test_a_failure_s_line_carries_the_cause_that_follows_its_colon() -> None:
+    # torch.compile's failures say on their first line only that the backend raised; the cause is on the next
+    compiled = "BackendCompilerFailed: backend='inductor' raised:\nRuntimeError: Triton Error [CUDA]: bad\n\nSet TORCH"
+    assert (
+        failures.first_line(compiled)
+        == "BackendCompilerFailed: backend='inductor' raised: RuntimeError: Triton Error [CUDA]: bad"
+    )
+    assert failures.first_line("\n  CUDA out of memory. Tried\nmore") == "CUDA out of memory. Tried"
+    assert failures.first_line("ends with a colon:") == "ends with a colon:" and failures.first_line(" \n") == ""
 
 
 def test_exit_taxonomy_and_oom_request() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from src import record as rec
-from src import stores
+from src import redact, stores
 from src.failures import Failure, classify_exception, first_line, oom_request_gib
 from src.handoff import PROGRESS_FILE, RESULT_FILE
 from src.trial.context import TrialContext, check, describe, open_run
@@ -40,7 +40,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         train(cfg, out_dir, ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits
         failure = failure_of(exc, ctx.meas)
-        ctx.log_text(traceback.format_exc(), "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt")
+        name = "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt"
+        ctx.log_text(traceback.format_exc(), name)
+        (out_dir / name).write_text(redact.redact_text(traceback.format_exc()))  # beside result.json, for the terminal
     return record(cfg, out_dir, ctx, failure)
 
 
