@@ -365,22 +365,12 @@ def summary(arms: dict[str, dict], order: Sequence[Arm] = ARMS) -> dict:
     same = _rate(arms.get("d_nodrop") or {})
     out["vs_unsloth_same_adapter"] = same / uns_rate if same and uns_rate else None
     # trainer.recompute=selective beside d (the same setting and adapter, full recompute): its gain measured alone
-    selective, full = arms.get("d_selective") or {}, arms.get("d") or {}
+    selective = arms.get("d_selective") or {}
     out["selective_recompute_tokens_per_s"] = _rate(selective)
-    both = _rate(selective) and _rate(full)
-    out["selective_vs_full_recompute"] = _rate(selective) / _rate(full) if both else None
-    out["selective_extra_reserved_gib"] = (
-        selective["peak_vram_reserved_gib"] - full["peak_vram_reserved_gib"]
-        if both and selective.get("peak_vram_reserved_gib") and full.get("peak_vram_reserved_gib")
-        else None
-    )
-    eager, eager_sel = arms.get("e") or {}, arms.get("e_selective") or {}
-    both = _rate(eager) and _rate(eager_sel)
-    out["selective_vs_full_recompute_eager_layers"] = _rate(eager_sel) / _rate(eager) if both else None
-    out["selective_extra_reserved_gib_eager_layers"] = (
-        eager_sel["peak_vram_reserved_gib"] - eager["peak_vram_reserved_gib"]
-        if both and eager_sel.get("peak_vram_reserved_gib") and eager.get("peak_vram_reserved_gib")
-        else None
+    out["selective_vs_full_recompute"], out["selective_extra_reserved_gib"] = _beside(selective, arms.get("d") or {})
+    # the policy alone, eager layers (e_selective beside e)
+    out["selective_vs_full_recompute_eager_layers"], out["selective_extra_reserved_gib_eager_layers"] = _beside(
+        arms.get("e_selective") or {}, arms.get("e") or {}
     )
     plain = _rate(arms.get("c") or {})
     out["plain_peft_trl_tokens_per_s"] = plain
@@ -398,6 +388,19 @@ def summary(arms: dict[str, dict], order: Sequence[Arm] = ARMS) -> dict:
     }
     out["targets"] = targets(out)
     return out
+
+
+def _beside(arm: dict, base: dict) -> tuple[float | None, float | None]:
+    """An arm against its baseline, both measured: (tokens/s ratio, extra peak reserved GiB); None where either did
+    not finish."""
+    if not (_rate(arm) and _rate(base)):
+        return None, None
+    extra = (
+        arm["peak_vram_reserved_gib"] - base["peak_vram_reserved_gib"]
+        if arm.get("peak_vram_reserved_gib") and base.get("peak_vram_reserved_gib")
+        else None
+    )
+    return _rate(arm) / _rate(base), extra
 
 
 def _rate(arm: dict) -> float | None:
