@@ -183,7 +183,7 @@ ARMS: tuple[Arm, ...] = (
         "d without compiled layers (eager layers): full recompute, the baseline of e_selective",
         "project",
         overrides=tuple(o for o in BEST if not o.startswith("trainer.torch_compile")),
-        estimate_s=70,  # start 5, load 5, 13 steps of ~3.5 s
+        estimate_s=55,  # start 5, load 5, 11 steps of ~3.5 s
         limit_s=140,
         window_steps=3,
         candidate=True,
@@ -193,7 +193,7 @@ ARMS: tuple[Arm, ...] = (
         "e with trainer.recompute=selective: the recompute policy's gain alone, eager layers",
         "project",
         overrides=(*(o for o in BEST if not o.startswith("trainer.torch_compile")), "trainer.recompute=selective"),
-        estimate_s=70,
+        estimate_s=55,
         limit_s=140,
         window_steps=3,
         candidate=True,
