@@ -66,6 +66,8 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(
         f"hydra.sweeper.n_trials={n}",
         "hydra.sweeper.custom_search_space=tests.sweep_scenarios.fault_scenarios",
         "hydra.sweeper.stall_timeout_s=10",  # a hang; under CI load a slow step (~1 s here) must not look like one
+        # no soak: the ok scenario's setting is the hook's, not the config's (its soak failed as config_error)
+        "hydra.sweeper.soak_top_k=0",
         f"hydra.sweeper.enqueue_trials=[{','.join('{scenario:' + s + '}' for s in queued)}]",
         "hydra.sweeper.trial_overrides=['trainer.max_steps=4','trainer.warmup_steps=0']",  # faults strike at step 2
         "fault.step=2",
