@@ -46,8 +46,13 @@ BY_PROCESS = ("ok", "segfault")
 FORKED = ("ok", "oom", "launch_failure", "segfault", "killed", "timeout", "data_error", "config_error")
 
 
-@pytest.mark.slow(seconds=35)
-@pytest.mark.parametrize(("launcher", "scenarios"), [("interpreter", BY_PROCESS), ("forkserver", FORKED)])
+@pytest.mark.parametrize(
+    ("launcher", "scenarios"),
+    [
+        pytest.param("interpreter", BY_PROCESS, marks=pytest.mark.slow(seconds=26)),
+        pytest.param("forkserver", FORKED, marks=pytest.mark.slow(seconds=50)),
+    ],
+)
 def test_every_fault_kind_is_classified_and_the_sweep_goes_on(
     root: Path, mlflow_client, launcher: str, scenarios: tuple[str, ...]
 ) -> None:
