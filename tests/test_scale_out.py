@@ -269,6 +269,7 @@ def shared_study(
     # a race would over-ask), and the suite stays within minutes on two cores.
     space = [
         "data.max_seq_length=choice(192,256)",
+        "trainer.per_device_train_batch_size=choice(1)",  # PROBE's two batches would make it four settings
         "trainer.gradient_accumulation_steps=choice(1)",
         "trainer.group_by_length=choice(true)",
         "hydra.sweeper.enqueue_trials=[]",
