@@ -43,6 +43,9 @@ SLOT = "sweep.slot"  # the slot it ran on: cuda0, cuda0#2, cpu1
 RECIPE = "sweep.recipe"  # True on the user's recipe's trial
 LEVER = "sweep.lever"  # JSON list of the overrides a lever trial adds to the recipe
 LEVER_OF = "sweep.lever_of"  # a lever trial: the recipe trial's number
+# A trial of a custom search space whose suggestions are labels (hydra.sweeper.custom_search_space returns the
+# overrides they stand for): the config keys and values it ran with, which the soak trains again
+SETTINGS = "sweep.settings"
 # A lever trial's Optuna param (categorical, told with its outcome; no sampler suggests it): its overrides joined by
 # ", ", so Optuna's tools and the dashboard see a lever trial's setting apart from the recipe's. The report, the
 # soak and promotion read the lever from LEVER and leave this param out of a trial's knobs.

@@ -53,6 +53,12 @@ class TrialRow:
     # its params with the recipe, so whatever groups trials by params leaves it out (see Sweep.plain_rows)
     lever: list[str] = field(default_factory=list)
     recommended: bool = False  # a recommendation trial (src/sweep/journey.py): levers combined with a length
+    # The config keys and values it ran with, where they are not its params (a custom search space's labels)
+    settings: dict[str, Any] | None = None
+
+    def setting(self) -> dict[str, Any]:
+        """Config key -> value as the trial ran (its params, or what a custom space's labels stood for)."""
+        return self.params if self.settings is None else self.settings
 
     def change(self) -> str:
         """A lever's overrides as the report's "change" column shows them: "gradient_checkpointing=true"."""
@@ -335,6 +341,7 @@ def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
         recipe=str(a.get(record.RECIPE, "")).lower() == "true" and not retried,  # its retry is the recipe
         lever=lever,
         recommended=bool(a.get(record.RECOMMENDED)),
+        settings=a.get(record.SETTINGS),
     )
 
 

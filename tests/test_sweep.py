@@ -17,7 +17,9 @@ import psutil
 import pytest
 from optuna.trial import TrialState
 
+from src import report
 from src.config import PROJECT_DIR
+from src.sweep import soak
 from src.sweep.engine import SweepEngine
 from src.sweep.process import Outcome
 from src.sweep.rules import named_constraints
@@ -71,8 +73,7 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(
         f"hydra.sweeper.n_trials={n}",
         "hydra.sweeper.custom_search_space=tests.sweep_scenarios.fault_scenarios",
         "hydra.sweeper.stall_timeout_s=10",  # a hang; under CI load a slow step (~1 s here) must not look like one
-        # no soak: the ok scenario's setting is the hook's, not the config's (its soak failed as config_error)
-        "hydra.sweeper.soak_top_k=0",
+        "hydra.sweeper.soak_top_k=0",  # the soak's overrides of a labelled trial: asserted below, without training
         f"hydra.sweeper.enqueue_trials=[{','.join('{scenario:' + s + '}' for s in queued)}]",
         "hydra.sweeper.trial_overrides=['trainer.max_steps=4','trainer.warmup_steps=0']",  # faults strike at step 2
         "fault.step=2",
@@ -101,6 +102,12 @@ def test_every_fault_kind_is_classified_and_the_sweep_goes_on(
     assert seen["segfault"].state == TrialState.FAIL and named_constraints(seen["ok"])["vram_budget"] <= 0
     # The step where it happened, when training had started.
     assert seen["segfault"].user_attrs["failure.step"] == 2
+    # What each label stood for is recorded, and a soak would train that, never the label (no config key)
+    assert seen["segfault"].user_attrs["sweep.settings"] == {"fault.kind": "segfault"}
+    rows = {r.number: r for r in report.load(name, root / "sweeps").rows}
+    ok_soak = soak.overrides(rows[seen["ok"].number], ["data.max_rows=8"], 1.0)
+    assert not [o for o in ok_soak if o.startswith("scenario=")] and "data.max_rows=8" in ok_soak
+    assert "fault.kind='segfault'" in soak.overrides(rows[seen["segfault"].number], [], 1.0)
 
     runs = {r.data.tags.get("optuna.trial"): r for r in _runs(mlflow_client, name)}
     parent = next(r for r in runs.values() if r.data.tags.get("sweep.role") == "parent")

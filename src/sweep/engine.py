@@ -336,12 +336,15 @@ class SweepEngine:
 
 def _params(custom: Any, config: DictConfig, trial: optuna.Trial, distributions: dict[str, Any]) -> dict[str, Any]:
     """A trial's settings (config key -> value). A custom space returns the overrides its suggestions stand for (its
-    suggestions may be labels, as in tests/sweep_scenarios.py); one that returns None, as hydra-optuna-sweeper's
-    do, gets its suggestions."""
+    suggestions may be labels, as in tests/sweep_scenarios.py: then recorded as `sweep.settings`); one that returns
+    None, as hydra-optuna-sweeper's do, gets its suggestions."""
     extra = custom(config, trial) if custom else {}
     if extra is None:
         extra = {k: v for k, v in trial.params.items() if k not in distributions}
-    return {**{k: v for k, v in trial.params.items() if k in distributions}, **extra}
+    params = {**{k: v for k, v in trial.params.items() if k in distributions}, **extra}
+    if custom and params != trial.params:  # labels: what they stood for is recorded, for the soak to train again
+        trial.set_user_attr(record.SETTINGS, params)
+    return params
 
 
 def _stop_for(exc: Exception, slot: Slot, storage_url: str, tracking_uri: str) -> None:

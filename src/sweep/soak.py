@@ -49,7 +49,7 @@ def overrides(row: TrialRow, fixed: list[str], minutes: float) -> list[str]:
     """The finalist's own setting, trained for real: the sweep's fixed overrides, its params and levers, no probe."""
     return [
         *fixed,
-        *(f"{k}={override_value(v)}" for k, v in row.params.items()),
+        *(f"{k}={override_value(v)}" for k, v in row.setting().items()),
         *row.lever,
         "trainer.max_steps=-1",
         f"trainer.num_train_epochs={EPOCHS_BOUND}",
