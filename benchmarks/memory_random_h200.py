@@ -370,8 +370,10 @@ def pressed(raw_file: Path) -> None:
         "gpu": raw.get("gpu"),
     }
     out = RESULTS / "memory_model_pressed_h200.json"
+    head = {k: v for k, v in raw.items() if k != "rows"}  # the rows are the raw file's, committed beside this one
     out.write_text(json.dumps({"command": f"python -m benchmarks.memory_random_h200 pressed {_shown(raw_file)}",
-                               "raw": raw, "summary": summary, "settings": rows}, indent=1, default=str))  # fmt: skip
+                               "raw_file": _shown(raw_file), "raw": head, "summary": summary, "settings": rows},
+                              indent=1, default=str))  # fmt: skip
     print(json.dumps(summary, indent=2, default=str))
 
 

@@ -40,9 +40,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         train(cfg, out_dir, ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits
         failure = failure_of(exc, ctx.meas)
-        name = "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt"
-        ctx.log_text(traceback.format_exc(), name)
-        (out_dir / name).write_text(redact.redact_text(traceback.format_exc()))  # beside result.json, for the terminal
+        name, trace = "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt", traceback.format_exc()
+        ctx.log_text(trace, name)
+        (out_dir / name).write_text(redact.redact_text(trace))  # beside result.json, for the terminal
     return record(cfg, out_dir, ctx, failure)
 
 
