@@ -1,12 +1,14 @@
 """A cheaper speed map (issue 31): `sweep=speed_map_quick` on the GPU, judged verdict by verdict against the full map.
 
-    device (carry .whl):  WAIT=560 bash benchmarks/map_quick_h200.sh [--slots N]    then at once: ... collect
+    device (carry .whl):  WAIT=560 bash benchmarks/map_quick_h200.sh [--slots N] [--sweep speed_map_verdict]
+                          then at once: ... collect
     here, after:          python -m benchmarks.map_quick_h200 summarize <files_at>/map_quick_raw.json
 
 `run` (the GPU machine) builds the synthetic 8B in a process of its own first (the map's first trials must not
 count it), then runs the 96-setting map through the sweep engine as a user would: `sweep=speed_map_quick` (two
 optimizer steps of one micro-batch a trial instead of three of two), the memory model fitted on the random design
-skipping predicted OOMs, no soak, no search; it writes the map's trials as `benchmarks.summarize` reads them, and
+skipping predicted OOMs, no soak, no search (`--sweep speed_map_verdict`: one step a trial, the
+verdict's; its summary goes to speed_map_verdict_h200.json); it writes the map's trials as `benchmarks.summarize` reads them, and
 the map command's wall.
 
 `summarize` (here) gives each setting a verdict, `stable` (trained, peak reserved within the budget less the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -47,12 +50,12 @@ def run(args: argparse.Namespace) -> None:
     out = Path(os.environ.get("OUT", root))
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    raw: dict[str, Any] = {"machine": system_tags(), "slots": args.slots}
+    raw: dict[str, Any] = {"machine": system_tags(), "slots": args.slots, "sweep": args.sweep}
     rc, raw["build_s"] = sh([sys.executable, "-m", "src.models", BASE[0]], logs / "build.log")
     print(f"model built in {raw['build_s']:.0f} s (rc {rc})", flush=True)
-    study = f"speed-map-quick-{time.strftime('%Y%m%d-%H%M%S')}"
+    study = f"{args.sweep.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
     cmd = [
-        sys.executable, "-m", "src.train", "-m", "sweep=speed_map_quick", *BASE,
+        sys.executable, "-m", "src.train", "-m", f"sweep={args.sweep}", *BASE,
         f"hardware.vram_budget_gib={BUDGET}", "preflight.max_truncated_answer_frac=1.0",
         f"hydra.sweeper.slots_per_gpu={args.slots}", "hydra.sweeper.launch_blocking_rerun=false",
         f"hydra.sweeper.study_name={study}", "hydra.sweeper.progress=false",
@@ -63,6 +66,9 @@ def run(args: argparse.Namespace) -> None:
     print(raw["map_command"], flush=True)
     raw["map_exit_code"], raw["map_wall_s"] = sh(cmd, logs / "map.log", timeout=args.map_timeout_s)
     raw["trials"] = map_trials(f"sqlite:///{root / 'sweeps' / study / 'optuna.db'}", study)
+    log_text = (logs / "map.log").read_text(errors="replace") if (logs / "map.log").exists() else ""
+    raw["rerun_alone"] = log_text.count("running it again alone")  # OOMs of the crowded card (src/sweep/ledger.py)
+    raw["ledger"] = sorted(set(re.findall(r"card \d+: \d+ trials on .*", log_text)))  # how many ran at once
     (out / "map_quick_raw.json").write_text(json.dumps(raw, indent=2, default=str))
     print(f"map: {len(raw['trials'])} settings in {raw['map_wall_s']:.0f} s (rc {raw['map_exit_code']})", flush=True)
 
@@ -140,8 +146,11 @@ def summarize(raw_file: Path) -> dict[str, Any]:
         },
         "fixed_cost_s": statistics.median(starts) if starts else None,
         "fixed_cost_rule": f"median start-up (the engine's launch of a trial to the start of its first step, forked) "
-        f"of the map's launched trials, {raw['slots']} trials at once on the card",
+        f"of the map's launched trials, up to {raw['slots']} trials at once on the card (ledger: how many ran at "
+        "once, as the card's memory let them)",
         "slots": raw["slots"],
+        "ledger": raw.get("ledger"),  # the engine's own count of trials at once (the card's memory ledger)
+        "rerun_alone": raw.get("rerun_alone"),
         "peak_vs_full_map_max_abs_pct": max(
             (abs(r["peak_vram_reserved_gib"] / r["full_map_peak_vram_reserved_gib"] - 1) * 100 for r in peaks),
             default=None,
@@ -152,6 +161,7 @@ def summarize(raw_file: Path) -> dict[str, Any]:
         if len(both) > 2
         else None,  # fmt: skip
         "gpu": raw["machine"].get("gpu.name"),
+        "sweep": raw.get("sweep") or "speed_map_quick",
         "full_map_gpu": full["machine"].get("gpu.name"),
         "build_s": raw.get("build_s"),
     }
@@ -162,8 +172,9 @@ def summarize(raw_file: Path) -> dict[str, Any]:
     result = {
         "command": raw["map_command"],
         "commands": [
-            "WAIT=560 bash benchmarks/map_quick_h200.sh --slots N   (device, carry .whl; N: 5 on an H200, 3 on an H100 "
-            "80 GB, each trial capped at 24 GiB); then at once: WAIT=560 bash benchmarks/map_quick_h200.sh collect",
+            "WAIT=560 bash benchmarks/map_quick_h200.sh --slots N   (device, carry .whl; N trials at most on the card, "
+            "each capped at 24 GiB; as many start as the card's memory holds); then at once: WAIT=560 bash "
+            "benchmarks/map_quick_h200.sh collect",
             f"python -m benchmarks.map_quick_h200 summarize <files_at>/{raw_file.name}",
         ],
         "reference": str(FULL_MAP.relative_to(RESULTS.parent.parent)),
@@ -171,9 +182,17 @@ def summarize(raw_file: Path) -> dict[str, Any]:
         "settings": rows,
         "machine": raw["machine"],
     }
-    OUT_FILE.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    out = out_file(raw)
+    result["summary"]["file"] = out.name
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     fill_speed_v6(summary)
     return summary
+
+
+def out_file(raw: dict[str, Any]) -> Path:
+    """speed_map_quick_h200.json for the quick map, <sweep>_h200.json for another sweep of the same space."""
+    sweep = raw.get("sweep") or "speed_map_quick"
+    return OUT_FILE if sweep == "speed_map_quick" else OUT_FILE.with_name(f"{sweep}_h200.json")
 
 
 def fill_speed_v6(summary: dict[str, Any]) -> None:
@@ -186,8 +205,8 @@ def fill_speed_v6(summary: dict[str, Any]) -> None:
     for k in ("map_settings", "map_gpu_minutes", "map_verdict_agreement", "fixed_cost_s"):
         v6["summary"][k] = summary[k]
     v6["summary"]["map_source"] = (
-        f"benchmarks/results/{OUT_FILE.name}: sweep=speed_map_quick on the {summary['gpu']}, "
-        f"{summary['slots']} trials at once, against the full map on the {summary['full_map_gpu']}"
+        f"benchmarks/results/{summary['file']}: sweep={summary['sweep']} on the {summary['gpu']}, "
+        f"up to {summary['slots']} trials at once, against the full map on the {summary['full_map_gpu']}"
     )
     v6["summary"].pop("not_measured", None)
     v6["summary"]["targets"] = targets(v6["summary"])
@@ -198,7 +217,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="on the GPU machine: build the model, run the quick map")
-    r.add_argument("--slots", type=int, default=5, help="trials at once on the card (each capped at 24 GiB)")
+    r.add_argument(
+        "--slots",
+        type=int,
+        default=6,
+        help="trials at most at once on the card (each capped at 24 GiB; "
+        "as many start as its memory holds: src/sweep/ledger.py)",
+    )
     r.add_argument("--map-timeout-s", type=float, default=480)
     s = sub.add_parser("summarize", help="here: verdicts against the full map")
     s.add_argument("raw", type=Path)

@@ -198,6 +198,30 @@ def oom_request_gib(message: str) -> float | None:
     return float(m.group(1)) * _UNITS[m.group(2)[0].upper()] / _GIB
 
 
+def oom_card_free_gib(message: str) -> float | None:
+    """What an OOM message says was free on the whole card ("... of which 20.00 MiB is free"), in GiB."""
+    m = re.search(r"of which ([\d.]+) ?([KMGT]i?B|bytes|B) is free", message, re.IGNORECASE)
+    if not m:
+        return None
+    return float(m.group(1)) * _UNITS[m.group(2)[0].upper()] / _GIB
+
+
+# Slack for the allocator's rounding (2 MiB blocks) and the message's two decimals
+_CAP_SLACK_GIB = 0.1
+
+
+def card_ran_out(metrics: dict[str, float]) -> bool:
+    """Whether an OOM was the card's, not the trial's budget: the card had less free than the allocation asked,
+    while what the trial held (its peak) plus the allocation stayed under its allocator's cap (`allocator_cap_gib`:
+    the budget less the CUDA context). Only a trial capped below its card can tell; on a card it shares with other
+    processes, such an OOM says nothing of the setting."""
+    free, asked = metrics.get("oom_card_free_gib"), metrics.get("oom_request_gib")
+    held, cap = metrics.get("peak_vram_reserved_gib"), metrics.get("allocator_cap_gib")
+    if free is None or asked is None or held is None or cap is None:
+        return False
+    return free < asked and held + asked < cap - _CAP_SLACK_GIB
+
+
 def oom_needed_gib(metrics: dict[str, float], budget_gib: float) -> float:
     """What an OOM trial needed, as measured: what its allocator held at the failure plus the allocation that
     failed (the budget stands in for a peak that was not recorded)."""

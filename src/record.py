@@ -26,6 +26,7 @@ FAILURE_RANK = "failure.rank"
 # The sticky-CUDA failure's second run with CUDA_LAUNCH_BLOCKING=1: what it failed of (the first kind stays)
 LAUNCH_BLOCKING_KIND = "failure.launch_blocking.kind"
 LAUNCH_BLOCKING_MESSAGE = "failure.launch_blocking.message"
+RERUN_ALONE = "trial.rerun_alone"  # why the trial ran again alone on its card (its first OOM was the shared card's)
 LAUNCHER = "trial.launcher"  # forkserver | interpreter
 ATTENTION_KERNEL = "attention.kernel"
 RUN_ID = "mlflow_run_id"  # on an Optuna trial: its MLflow run

@@ -70,3 +70,17 @@ def test_a_changed_verdict_is_a_disagreement_by_the_headroom_rule(results: Path)
     assert [(d["verdict"], d["full_map_verdict"]) for d in s["disagreements"]] == [("marginal", "stable")] * 2
     assert not s["targets"]["map_verdict_agreement"]["met"]  # 97.9% < 98%: one changed verdict in 96 is allowed
     assert s["skipped"]["predicted"] == 1
+
+
+def test_the_verdict_map_runs_one_micro_step_of_the_same_space_and_keeps_its_own_file() -> None:
+    quick_map = compose(["sweep=speed_map_quick", "model=llama3_8b_synthetic"], hydra_config=True).hydra.sweeper
+    verdict = compose(["sweep=speed_map_verdict", "model=llama3_8b_synthetic"], hydra_config=True).hydra.sweeper
+    assert dict(verdict.params) == dict(quick_map.params) and verdict.study_name != quick_map.study_name
+    o = dict(x.split("=", 1) for x in verdict.trial_overrides)
+    assert (o["trainer.max_steps"], o["trainer.gradient_accumulation_steps"], o["measure.warmup_steps"]) == (
+        "1",
+        "1",
+        "0",
+    )
+    assert quick.out_file({"sweep": "speed_map_verdict"}).name == "speed_map_verdict_h200.json"
+    assert quick.out_file({}) == quick.out_file({"sweep": "speed_map_quick"}) == quick.OUT_FILE

@@ -51,6 +51,7 @@ from src.sweep import journey, prepare, recipe, seeds, soak
 from src.sweep.checks import check_space
 from src.sweep.gate import Gate
 from src.sweep.launch import launch
+from src.sweep.ledger import CardLedger
 from src.sweep.memory import MemoryGate
 from src.sweep.process import start_launcher
 from src.sweep.rules import LaunchRules
@@ -102,6 +103,7 @@ class SweepEngine:
         self.rules = LaunchRules(config, self.fixed, monotone, self.budget)
         self.gate = Gate(self.sweeper, self.rules, self.budget)
         self.lock = threading.Lock()  # this process's threads; the study's lock is self.store.lock()
+        self.ledger: CardLedger | None = None  # the shared cards' memory, once the slots are known
         self.host = socket.gethostname()
         self.store = StudyStore(self.sweeper, self.study_name, self.study_dir, self.host, self.close_dead_run)
         # How every trial runs: a probe (hydra.sweeper.trial_overrides), and settings that cut answers measured and
@@ -180,6 +182,7 @@ class SweepEngine:
             prepare.build_model(self.config, self.trial_overrides, self.fixed, self.study_dir, slots[0])
             start_launcher(self.sweeper)  # started here, so it dies with the engine (src/sweep/tether.py)
             slots = slots[: min(len(slots), self.sweeper.n_jobs or len(slots))]
+            self.ledger = CardLedger.for_slots(slots)  # trials sharing a card: as many at once as its memory holds
             log.info("study %s: %d slots (%s), storage %s", self.study_name, len(slots),
                      ", ".join(s.name for s in slots), redact_text(self.store.url))  # fmt: skip
             self.tally.refresh(study)
@@ -189,11 +192,13 @@ class SweepEngine:
                 self.run_workers(study, slots)
             if not stopping.is_set():  # then the soak of the finalists
                 self.tally.close_bar()
-                args = (self.sweeper, slots, self.fixed, self.runs, self.budget)
+                args = (self.sweeper, slots, self.fixed, self.runs, self.budget, self.ledger)
                 soak.finalists(study, self.store, self.classified, *args)
         finally:
             self.tally.close_bar()
             self.close_parent(study)
+            for line in self.ledger.summary() if self.ledger else []:
+                log.info(line)
         if self.ended:
             print(self.ended)
         print(
@@ -295,9 +300,9 @@ class SweepEngine:
             self.tally.show()
         try:  # through the one launcher every trial and soak takes (src/sweep/launch.py)
             beat = lambda: self.store.heartbeat(trial.number)  # noqa: E731
-            outcome = launch(
-                self.runs, self.sweeper, slot, str(trial.number), overrides, log_dir, run_id, self.budget, beat
-            )
+            share = self.gate.share(trial.number)
+            args = (self.runs, self.sweeper, slot, str(trial.number), overrides, log_dir, run_id, self.budget, beat)
+            outcome = launch(*args, self.ledger, share)
         finally:
             with self.lock:
                 self.tally.counts["running"] -= 1

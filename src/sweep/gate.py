@@ -35,6 +35,7 @@ class Gate:
         self.facts = SpaceFacts()
         self.lock = threading.Lock()
         self.skips_in_a_row = 0
+        self.shares: dict[int, float] = {}  # trial number -> its share of a shared card (src/sweep/ledger.py)
         self.max_skips = int(sweeper.get("max_skips_in_a_row", SKIPS_IN_A_ROW))
         if self.max_skips < 0:
             raise SpaceError(
@@ -55,7 +56,16 @@ class Gate:
         prediction = self.predict(study, trial, overrides, run_id, runs)
         if prediction is not None and self.memory is not None and self.memory.skips(prediction):
             return predicted_skip(prediction, self.budget)
+        if self.memory is not None:
+            with self.lock:
+                self.shares[trial.number] = self.memory.share_of(prediction)
         return None
+
+    def share(self, number: int) -> float | None:
+        """The card memory (GiB) the launched trial `number` may take beside others on its card (`decide` set it;
+        None: its whole budget)."""
+        with self.lock:
+            return self.shares.pop(number, None)
 
     def predict(self, study: optuna.Study, trial: optuna.Trial, overrides: list[str], run_id: str, runs: Any) -> Any:
         """The memory model's prediction for the trial, recorded on it and its run before it is launched."""

@@ -1,21 +1,28 @@
 """One way to launch a trial's process, for every trial the sweep runs (the map's, the recipe's levers, the
 soak's): its slot's environment and its MLflow run handed over, its heartbeat kept while it runs, the same trial
-once more with CUDA_LAUNCH_BLOCKING=1 after a sticky CUDA error, and its MLflow run ended where the process could
-not end it (KILLED when the sweep's stop or a watchdog ended it, FAILED otherwise).
+once more with CUDA_LAUNCH_BLOCKING=1 after a sticky CUDA error, its share of a card it shares with other trials
+held while it runs (src/sweep/ledger.py) and the same trial once more alone on its card where that card ran out
+before the trial's budget did, and its MLflow run ended where the process could not end it (KILLED when the sweep's
+stop or a watchdog ended it, FAILED otherwise).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from src import record, tracking
-from src.failures import STICKY_CUDA
+from src.failures import STICKY_CUDA, card_ran_out
 from src.handoff import RUN_ENV, TRIAL_ENV
 from src.record import Outcome
+from src.sweep.ledger import CardLedger
 from src.sweep.process import run_process, tail
 from src.sweep.slots import Slot
+
+log = logging.getLogger(__name__)
 
 
 def launch(
@@ -28,12 +35,18 @@ def launch(
     run_id: str,
     budget: float,
     heartbeat: Callable[[], None] | None = None,
+    ledger: CardLedger | None = None,
+    share_gib: float | None = None,
 ) -> Outcome:
     """Run the trial's process on `slot` for MLflow run `run_id` (`label`: the trial's number, or `soak-<number>`)
-    and say how it ended; its run is ended whatever happened to the process."""
+    and say how it ended; its run is ended whatever happened to the process. On a card it shares (`ledger`), it
+    starts once its share (`share_gib`, GiB; None: its whole budget) fits beside the others'."""
     env = {**slot.env, RUN_ENV: run_id, TRIAL_ENV: label}
-    outcome = run_process(overrides, log_dir, env, sweeper, heartbeat)
+    with ledger.hold(slot, budget if share_gib is None else share_gib) if ledger else nullcontext():
+        outcome = run_process(overrides, log_dir, env, sweeper, heartbeat)
     tracking.set_tags(runs.client, run_id, {record.LAUNCHER: outcome.launcher})
+    if outcome.failure and outcome.failure["kind"] == "oom" and card_ran_out(outcome.metrics):
+        outcome = rerun_alone(runs, sweeper, slot, overrides, log_dir, env, run_id, outcome, heartbeat, ledger)
     if outcome.failure and outcome.failure["kind"] in STICKY_CUDA and sweeper.launch_blocking_rerun:
         outcome = rerun_launch_blocking(runs, sweeper, overrides, log_dir, env, run_id, outcome, heartbeat)
     if not outcome.recorded:
@@ -71,3 +84,33 @@ def rerun_launch_blocking(
     first.recorded = first.recorded and second.recorded
     first.failure["launch_blocking_kind"] = second_kind
     return first
+
+
+def rerun_alone(
+    runs: Any,
+    sweeper: Any,
+    slot: Slot,
+    overrides: list[str],
+    log_dir: Path,
+    env: dict[str, str],
+    run_id: str,
+    first: Outcome,
+    heartbeat: Callable[[], None] | None,
+    ledger: CardLedger | None,
+) -> Outcome:
+    """An OOM of the card, not of the trial's budget (other processes held the rest): the same trial once more in
+    the same MLflow run, holding its card alone, so the map records what the setting does on the card it stands in
+    for. The first attempt's log stays in `log_dir`; its failure tags give way to the second's outcome."""
+    m = first.metrics
+    why = (
+        f"the card had {m['oom_card_free_gib']:.2f} GiB free for an allocation of {m['oom_request_gib']:.2f} GiB, "
+        f"the trial held {m['peak_vram_reserved_gib']:.2f} of its {m['allocator_cap_gib']:.2f} GiB"
+    )
+    log.warning("trial %s: out of memory on a shared card (%s): running it again alone on %s", env[TRIAL_ENV], why,
+                slot.name)  # fmt: skip
+    for key in [k for k in runs.client.get_run(run_id).data.tags if k.startswith(record.FAILURE)]:
+        runs.client.delete_tag(run_id, key)  # the second attempt's outcome is the trial's
+    with ledger.hold(slot, 0.0, alone=True) if ledger else nullcontext():
+        second = run_process(overrides, log_dir / "alone", env, sweeper, heartbeat)
+    tracking.set_tags(runs.client, run_id, {record.RERUN_ALONE: why})
+    return second

@@ -94,13 +94,26 @@ class MemoryGate:
             self.refresh(0)
         return self.active and (self.stack is not None or (self.fitted_on < 0 and current_stack() is not None))
 
+    def decides(self) -> bool:
+        """Whether its predictions may decide what the sweep launches (skips, the card's shares): a fitted model's
+        file, or `auto` fitted to at least MIN_POINTS measured trials of a GPU's stack (a CPU's trials hold no
+        VRAM); `predict` and `off` never decide."""
+        if self.mode in ("predict", "off") or self.model is None:
+            return False
+        return self.mode != "auto" or (self.stack is not None and self.model.points >= MIN_POINTS)
+
     def skips(self, prediction: Prediction | None) -> bool:
         """Beyond the budget even if the model over-predicts by its `error_over`, from a model that may decide."""
-        if prediction is None or self.mode in ("predict", "off") or self.model is None:
-            return False
-        if self.mode == "auto" and (self.stack is None or self.model.points < MIN_POINTS):
-            return False  # a CPU's trials hold no VRAM; a GPU's stack with too few measured trials
-        return prediction.certainly_over(self.budget)
+        return prediction is not None and self.decides() and prediction.certainly_over(self.budget)
+
+    def share_of(self, prediction: Prediction | None) -> float:
+        """The card memory (GiB) a trial may take, for the trials that share its card (src/sweep/ledger.py): its
+        predicted peak on the card plus the most the model under-predicts, from a model that may decide, never more
+        than its budget (the card it stands in for, CUDA context included); the budget where no such prediction
+        exists."""
+        if prediction is None or not self.decides():
+            return self.budget
+        return min(self.budget, prediction.device_gib + prediction.error * prediction.reserved_gib)
 
     def edge_order(self, grid: list[dict[str, Any]], fixed: list[str]) -> list[dict[str, Any]]:
         """Grid points, nearest the budget's edge first (predicted on the card / budget closest to 1)."""

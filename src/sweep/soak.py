@@ -32,6 +32,7 @@ from src.handoff import PROGRESS_FILE
 from src.record import Outcome
 from src.study import Sweep, TrialRow
 from src.sweep.launch import launch
+from src.sweep.ledger import CardLedger
 from src.sweep.process import read_json
 from src.sweep.slots import Slot
 from src.sweep.stop import stopping
@@ -75,6 +76,7 @@ def finalists(
     fixed: list[str],
     runs: Any,
     budget: float,
+    ledger: CardLedger | None = None,
 ) -> None:
     """The last worker out soaks the finalists not soaked yet (claimed under the study's lock, so another worker
     finishing now does not soak them too); a re-run of a complete study soaks what was left."""
@@ -98,7 +100,7 @@ def finalists(
         flush=True,
     )
     with stopping.workers_running():  # a signal ends the soaks' processes and records them (like the trials)
-        done = run(study, sweep, rows, slots, fixed, runs, sweeper, budget)
+        done = run(study, sweep, rows, slots, fixed, runs, sweeper, budget, ledger)
     for soaked in done:
         if soaked["status"] != STOPPED:
             print(f"soak: trial {soaked['trial']} {soaked['status']}: {soaked['detail']}", flush=True)
@@ -113,6 +115,7 @@ def run(
     runs: Any,
     sweeper: Any,
     budget: float,
+    ledger: CardLedger | None = None,
 ) -> list[dict[str, Any]]:
     """Soak `rows`, one per slot at a time; returns their records (also on the study and the runs). Called while
     the sweep's stop waits for its workers (`stopping.workers_running`): a signal ends the soaks' processes, which
@@ -130,7 +133,8 @@ def run(
                 if not queue:
                     return
                 row = queue.pop(0)
-            record = soak_one(study, sweep, row, slot, fixed, runs, limits, budget, minutes, slots.index(slot))
+            where = slots.index(slot)
+            record = soak_one(study, sweep, row, slot, fixed, runs, limits, budget, minutes, where, ledger)
             with lock:
                 results.append(record)
 
@@ -154,6 +158,7 @@ def soak_one(
     budget: float,
     minutes: float,
     position: int = 0,
+    ledger: CardLedger | None = None,
 ) -> dict[str, Any]:
     """One finalist's soak, launched as every trial is (src/sweep/launch.py), its run made by the sweep's runs;
     its progress shown as it runs (`Progress`)."""
@@ -165,7 +170,16 @@ def soak_one(
     view = Progress(row.number, minutes, log_dir, runs, bool(limits.get("progress", False)), position)
     try:
         outcome = launch(
-            runs, limits, slot, f"soak-{row.number}", overrides(row, fixed, minutes), log_dir, run_id, budget, view.beat
+            runs,
+            limits,
+            slot,
+            f"soak-{row.number}",
+            overrides(row, fixed, minutes),
+            log_dir,
+            run_id,
+            budget,
+            view.beat,
+            ledger,  # a soak's share of a shared card: its whole budget (hours of data, not a probe's batches)
         )
     finally:
         view.close()

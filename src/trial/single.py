@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from src import record as rec
 from src import redact, stores
-from src.failures import Failure, classify_exception, first_line, oom_request_gib
+from src.failures import Failure, classify_exception, first_line, oom_card_free_gib, oom_request_gib
 from src.handoff import PROGRESS_FILE, RESULT_FILE
 from src.trial.context import TrialContext, check, describe, open_run
 
@@ -211,9 +211,11 @@ def record(cfg: DictConfig, out_dir: Path, ctx: TrialContext, failure: Failure |
     if meas is not None and meas.startup_s is not None and ctx.phases_end_s is not None:
         metrics["startup.train_begin_s"] = meas.startup_s - ctx.phases_end_s  # optimizer, dataloader, hooks
     if failure and failure.kind == "oom":
-        requested = oom_request_gib(failure.message)
+        requested, free = oom_request_gib(failure.message), oom_card_free_gib(failure.message)
         if requested is not None:
             metrics["oom_request_gib"] = requested
+        if free is not None:  # the whole card's: with others on it, it may have run out before this trial's budget
+            metrics["oom_card_free_gib"] = free
     if "peak_vram_reserved_gib" in metrics:
         # An OOM's headroom is from what it needed at least (held at the failure plus the allocation refused): < 0
         needed = metrics["peak_vram_reserved_gib"] + metrics.get("oom_request_gib", 0.0)
