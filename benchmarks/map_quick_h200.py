@@ -224,6 +224,12 @@ def main() -> int:
         help="trials at most at once on the card (each capped at 24 GiB; "
         "as many start as its memory holds: src/sweep/ledger.py)",
     )
+    r.add_argument(
+        "--sweep",
+        default="speed_map_quick",
+        choices=["speed_map_quick", "speed_map_verdict"],
+        help="the quick map (2 steps a trial) or the verdict map (1 step: the verdict, a rough speed)",
+    )
     r.add_argument("--map-timeout-s", type=float, default=480)
     s = sub.add_parser("summarize", help="here: verdicts against the full map")
     s.add_argument("raw", type=Path)

@@ -283,12 +283,8 @@ class SweepEngine:
         trial.set_user_attr(record.SLOT, slot.name)
         self.gate.record_facts(trial, journey.setting(params, lever), run_id, self.runs)
         changed = {o.partition("=")[0].lstrip("+~") for o in lever}  # a lever's value wins over the param's
-        overrides = [
-            *self.trial_overrides,
-            *self.fixed,
-            *(f"{k}={override_value(v)}" for k, v in params.items() if k not in changed),
-            *lever,
-        ]
+        kept = [f"{k}={override_value(v)}" for k, v in params.items() if k not in changed]
+        overrides = [*self.trial_overrides, *self.fixed, *kept, *lever]
         decision = self.gate.decide(study, trial, overrides, run_id, self.runs)
         self.ended = self.ended or self.gate.count(decision, self.store.occupied(study))
         if decision is not None:
@@ -300,9 +296,8 @@ class SweepEngine:
             self.tally.show()
         try:  # through the one launcher every trial and soak takes (src/sweep/launch.py)
             beat = lambda: self.store.heartbeat(trial.number)  # noqa: E731
-            share = self.gate.share(trial.number)
             args = (self.runs, self.sweeper, slot, str(trial.number), overrides, log_dir, run_id, self.budget, beat)
-            outcome = launch(*args, self.ledger, share)
+            outcome = launch(*args, self.ledger, self.gate.share(trial.number))
         finally:
             with self.lock:
                 self.tally.counts["running"] -= 1
