@@ -69,6 +69,27 @@ def test_a_trial_waiting_to_run_alone_goes_before_newcomers() -> None:
     release_late.set()
 
 
+def test_a_trial_waiting_for_memory_keeps_its_heartbeat() -> None:
+    """Workers fail a trial whose heartbeat expired as dead: one waiting for the card's memory must beat."""
+    ledger = CardLedger({"0": 10.0})
+    a, release_a = _start(ledger, 8.0)
+    assert a.wait(2)
+    beats: list[float] = []
+    started = threading.Event()
+
+    def waiting() -> None:
+        with ledger.hold(CARD, 5.0, beat=lambda: beats.append(time.monotonic()), every_s=0.2):
+            started.set()
+
+    threading.Thread(target=waiting, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while len(beats) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not started.is_set() and len(beats) >= 2  # waited, beating
+    release_a.set()
+    assert started.wait(2)
+
+
 def test_ledger_covers_only_shared_cards(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("src.sweep.ledger.card_total_gib", lambda index: {0: 79.2, 1: 79.2}[index])
     slots = [CARD, OTHER, Slot("cuda1", {"CUDA_VISIBLE_DEVICES": "1"})]

@@ -42,7 +42,9 @@ def launch(
     and say how it ended; its run is ended whatever happened to the process. On a card it shares (`ledger`), it
     starts once its share (`share_gib`, GiB; None: its whole budget) fits beside the others'."""
     env = {**slot.env, RUN_ENV: run_id, TRIAL_ENV: label}
-    with ledger.hold(slot, budget if share_gib is None else share_gib) if ledger else nullcontext():
+    every = float(sweeper.get("heartbeat_interval_s", 10))  # a trial waiting for memory beats as a running one does
+    share = budget if share_gib is None else share_gib
+    with ledger.hold(slot, share, beat=heartbeat, every_s=every) if ledger else nullcontext():
         outcome = run_process(overrides, log_dir, env, sweeper, heartbeat)
     tracking.set_tags(runs.client, run_id, {record.LAUNCHER: outcome.launcher})
     if outcome.failure and outcome.failure["kind"] == "oom" and card_ran_out(outcome.metrics):
@@ -110,7 +112,8 @@ def rerun_alone(
                 slot.name)  # fmt: skip
     for key in [k for k in runs.client.get_run(run_id).data.tags if k.startswith(record.FAILURE)]:
         runs.client.delete_tag(run_id, key)  # the second attempt's outcome is the trial's
-    with ledger.hold(slot, 0.0, alone=True) if ledger else nullcontext():
+    every = float(sweeper.get("heartbeat_interval_s", 10))
+    with ledger.hold(slot, 0.0, alone=True, beat=heartbeat, every_s=every) if ledger else nullcontext():
         second = run_process(overrides, log_dir / "alone", env, sweeper, heartbeat)
     tracking.set_tags(runs.client, run_id, {record.RERUN_ALONE: why})
     return second

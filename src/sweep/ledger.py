@@ -15,7 +15,7 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from src.sweep.slots import Slot
@@ -59,10 +59,19 @@ class CardLedger:
         return card if card in self.totals else None
 
     @contextmanager
-    def hold(self, slot: Slot, share_gib: float, alone: bool = False) -> Iterator[None]:
+    def hold(
+        self,
+        slot: Slot,
+        share_gib: float,
+        alone: bool = False,
+        beat: Callable[[], None] | None = None,
+        every_s: float = 10.0,
+    ) -> Iterator[None]:
         """Wait until `share_gib` fits on the slot's card beside the shares held there (`alone`: until nothing else
         runs there), hold it while the block runs. A share larger than the card waits for the card to be empty. A
-        trial waiting to run alone holds back new ones, so it is not starved. The sweep's stop ends the wait."""
+        trial waiting to run alone holds back new ones, so it is not starved. The sweep's stop ends the wait. `beat`
+        (the trial's heartbeat) is called every `every_s` while it waits (hydra.sweeper.heartbeat_interval_s): a
+        trial waiting for memory is alive, and any worker would fail it as dead once its heartbeat expired."""
         card = self.shared(slot)
         if card is None:
             yield
@@ -71,9 +80,13 @@ class CardLedger:
         asked = time.monotonic()
         with self.changed:
             self.alone_waiting[card] += alone
+            beaten = asked
             try:
                 while not self.fits(card, share, alone) and not stopping.is_set():
                     self.changed.wait(timeout=0.5)
+                    if beat is not None and time.monotonic() - beaten >= every_s:
+                        beat()
+                        beaten = time.monotonic()
             finally:
                 self.alone_waiting[card] -= alone
             self.held[card].append(share)
