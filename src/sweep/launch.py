@@ -43,14 +43,19 @@ def launch(
     starts once its share (`share_gib`, GiB; None: its whole budget) fits beside the others'."""
     env = {**slot.env, RUN_ENV: run_id, TRIAL_ENV: label}
     every = float(sweeper.get("heartbeat_interval_s", 10))  # a trial waiting for memory beats as a running one does
-    share = budget if share_gib is None else share_gib
-    with ledger.hold(slot, share, beat=heartbeat, every_s=every) if ledger else nullcontext():
-        outcome = run_process(overrides, log_dir, env, sweeper, heartbeat)
+
+    def attempt(sub: str = "", extra_env: dict[str, str] | None = None, alone: bool = False) -> Outcome:
+        """The trial's process (again: in `log_dir/sub`), once its share of a shared card is held."""
+        share = budget if share_gib is None else share_gib
+        with ledger.hold(slot, share, alone, heartbeat, every) if ledger else nullcontext():
+            return run_process(overrides, log_dir / sub, {**env, **(extra_env or {})}, sweeper, heartbeat)
+
+    outcome = attempt()
     tracking.set_tags(runs.client, run_id, {record.LAUNCHER: outcome.launcher})
     if outcome.failure and outcome.failure["kind"] == "oom" and card_ran_out(outcome.metrics):
-        outcome = rerun_alone(runs, sweeper, slot, overrides, log_dir, env, run_id, outcome, heartbeat, ledger)
+        outcome = rerun_alone(runs, run_id, label, slot, outcome, attempt)
     if outcome.failure and outcome.failure["kind"] in STICKY_CUDA and sweeper.launch_blocking_rerun:
-        outcome = rerun_launch_blocking(runs, sweeper, overrides, log_dir, env, run_id, outcome, heartbeat)
+        outcome = rerun_launch_blocking(runs, run_id, outcome, attempt)
     if not outcome.recorded:
         tracking.log_text(runs.client, run_id, tail(log_dir / "stderr.log"), "stderr_tail.txt")
         tracking.log_metrics(runs.client, run_id, {**outcome.metrics, "vram_budget_gib": budget})
@@ -59,21 +64,10 @@ def launch(
     return outcome
 
 
-def rerun_launch_blocking(
-    runs: Any,
-    sweeper: Any,
-    overrides: list[str],
-    log_dir: Path,
-    env: dict[str, str],
-    run_id: str,
-    first: Outcome,
-    heartbeat: Callable[[], None] | None,
-) -> Outcome:
+def rerun_launch_blocking(runs: Any, run_id: str, first: Outcome, attempt: Callable[..., Outcome]) -> Outcome:
     """The seed answer's first step, automated: the same trial once more with CUDA_LAUNCH_BLOCKING=1, so the
     recorded stack points at the kernel that failed. The first attempt's kind stays the trial's."""
-    second = run_process(
-        overrides, log_dir / "launch_blocking", {**env, "CUDA_LAUNCH_BLOCKING": "1"}, sweeper, heartbeat
-    )
+    second = attempt("launch_blocking", {"CUDA_LAUNCH_BLOCKING": "1"})
     second_kind = second.failure["kind"] if second.failure else "none (passed)"
     tags = {
         **record.failed_tags({k: first.failure.get(k) for k in ("kind", "message", "step")}),
@@ -89,16 +83,7 @@ def rerun_launch_blocking(
 
 
 def rerun_alone(
-    runs: Any,
-    sweeper: Any,
-    slot: Slot,
-    overrides: list[str],
-    log_dir: Path,
-    env: dict[str, str],
-    run_id: str,
-    first: Outcome,
-    heartbeat: Callable[[], None] | None,
-    ledger: CardLedger | None,
+    runs: Any, run_id: str, label: str, slot: Slot, first: Outcome, attempt: Callable[..., Outcome]
 ) -> Outcome:
     """An OOM of the card, not of the trial's budget (other processes held the rest): the same trial once more in
     the same MLflow run, holding its card alone, so the map records what the setting does on the card it stands in
@@ -108,12 +93,9 @@ def rerun_alone(
         f"the card had {m['oom_card_free_gib']:.2f} GiB free for an allocation of {m['oom_request_gib']:.2f} GiB, "
         f"the trial held {m['peak_vram_reserved_gib']:.2f} of its {m['allocator_cap_gib']:.2f} GiB"
     )
-    log.warning("trial %s: out of memory on a shared card (%s): running it again alone on %s", env[TRIAL_ENV], why,
-                slot.name)  # fmt: skip
+    log.warning("trial %s: out of memory on a shared card (%s): running it again alone on %s", label, why, slot.name)
     for key in [k for k in runs.client.get_run(run_id).data.tags if k.startswith(record.FAILURE)]:
         runs.client.delete_tag(run_id, key)  # the second attempt's outcome is the trial's
-    every = float(sweeper.get("heartbeat_interval_s", 10))
-    with ledger.hold(slot, 0.0, alone=True, beat=heartbeat, every_s=every) if ledger else nullcontext():
-        second = run_process(overrides, log_dir / "alone", env, sweeper, heartbeat)
+    second = attempt("alone", alone=True)
     tracking.set_tags(runs.client, run_id, {record.RERUN_ALONE: why})
     return second
