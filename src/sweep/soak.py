@@ -169,18 +169,9 @@ def soak_one(
     started = time.time()
     view = Progress(row.number, minutes, log_dir, runs, bool(limits.get("progress", False)), position)
     try:
-        outcome = launch(
-            runs,
-            limits,
-            slot,
-            f"soak-{row.number}",
-            overrides(row, fixed, minutes),
-            log_dir,
-            run_id,
-            budget,
-            view.beat,
-            ledger,  # a soak's share of a shared card: its whole budget (hours of data, not a probe's batches)
-        )
+        # a soak's share of a shared card: its whole budget (hours of data, not a probe's batches)
+        args = (runs, limits, slot, f"soak-{row.number}", overrides(row, fixed, minutes), log_dir, run_id, budget)
+        outcome = launch(*args, view.beat, ledger)
     finally:
         view.close()
     if stopping.is_set() and outcome.failure and outcome.failure["kind"] == "killed":
