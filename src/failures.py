@@ -188,22 +188,23 @@ def classify_exit(returncode: int, stderr_tail: str = "", *, timed_out: bool = F
 
 _GIB = 1024**3
 _UNITS = {"B": 1, "K": 1024, "M": 1024**2, "G": _GIB, "T": 1024**4}
+_SIZE = r"([\d.]+) ?([KMGT]i?B|bytes|B)"  # a size as torch prints it (format_size): "2.00 GiB", "20.00 MiB", "0 bytes"
+
+
+def _size_gib(pattern: str, message: str) -> float | None:
+    """The size torch printed where `pattern`'s {size} stands, in GiB; None where the message does not say."""
+    m = re.search(pattern.format(size=_SIZE), message, re.IGNORECASE)
+    return float(m.group(1)) * _UNITS[m.group(2)[0].upper()] / _GIB if m else None
 
 
 def oom_request_gib(message: str) -> float | None:
     """The size of the allocation an OOM message says failed ("Tried to allocate 2.00 GiB"), in GiB."""
-    m = re.search(r"Tried to allocate ([\d.]+) ?([KMGT]i?B|B)", message, re.IGNORECASE)
-    if not m:
-        return None
-    return float(m.group(1)) * _UNITS[m.group(2)[0].upper()] / _GIB
+    return _size_gib("Tried to allocate {size}", message)
 
 
 def oom_card_free_gib(message: str) -> float | None:
     """What an OOM message says was free on the whole card ("... of which 20.00 MiB is free"), in GiB."""
-    m = re.search(r"of which ([\d.]+) ?([KMGT]i?B|bytes|B) is free", message, re.IGNORECASE)
-    if not m:
-        return None
-    return float(m.group(1)) * _UNITS[m.group(2)[0].upper()] / _GIB
+    return _size_gib("of which {size} is free", message)
 
 
 # Slack for the allocator's rounding (2 MiB blocks) and the message's two decimals

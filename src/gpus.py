@@ -1,12 +1,14 @@
 """Which GPUs this process may use and what the driver says about them, through NVML (the driver's management
 library, which opens no CUDA context): one home for `CUDA_VISIBLE_DEVICES` and for NVML's set-up, read by the
-sweep's slots, the trial's memory sampler, the forkserver's warm imports, preflight and the run's tags.
+sweep's slots and its card ledger, the trial's memory sampler, the forkserver's warm imports, preflight and the run's tags.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -50,19 +52,34 @@ def indices() -> list[int]:
         return []
 
 
-def capability(index: int = 0) -> tuple[int, int]:
-    """A visible device's compute capability, from NVML (no CUDA context). NVML is opened and closed around the
-    question: the forkserver asks it (src/sweep/warm.py) and then forks every trial."""
+@contextlib.contextmanager
+def nvml_once() -> Iterator[Any]:
+    """pynvml, opened for one question and closed after it: the forkserver asks (src/sweep/warm.py) and then forks
+    every trial, and the sweep's engine asks once, so neither keeps NVML open."""
     import pynvml
 
     pynvml.nvmlInit()
     try:
-        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(
-            pynvml.nvmlDeviceGetHandleByIndex(physical_index(index))
-        )
+        yield pynvml
     finally:
         pynvml.nvmlShutdown()
+
+
+def capability(index: int = 0) -> tuple[int, int]:
+    """A visible device's compute capability, from NVML (no CUDA context)."""
+    with nvml_once() as nv:
+        major, minor = nv.nvmlDeviceGetCudaComputeCapability(nv.nvmlDeviceGetHandleByIndex(physical_index(index)))
     return int(major), int(minor)
+
+
+def total_gib(physical: int) -> float | None:
+    """A card's memory in GiB by its physical (NVML) index, from NVML (no CUDA context); None where NVML cannot
+    say (no driver, no library)."""
+    try:
+        with nvml_once() as nv:
+            return nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(physical)).total / 1024**3
+    except Exception:
+        return None
 
 
 def process_bytes(index: int, pid: int) -> int | None:

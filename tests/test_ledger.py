@@ -91,13 +91,13 @@ def test_a_trial_waiting_for_memory_keeps_its_heartbeat() -> None:
 
 
 def test_ledger_covers_only_shared_cards(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("src.sweep.ledger.card_total_gib", lambda index: {0: 79.2, 1: 79.2}[index])
+    monkeypatch.setattr("src.gpus.total_gib", lambda index: {0: 79.2, 1: 79.2}[index])
     slots = [CARD, OTHER, Slot("cuda1", {"CUDA_VISIBLE_DEVICES": "1"})]
     ledger = CardLedger.for_slots(slots)
     assert ledger is not None and ledger.totals == {"0": pytest.approx(79.2 - RESERVE_GIB)}
     assert CardLedger.for_slots(slots[2:]) is None  # one trial per card: nothing to share
     assert CardLedger.for_slots([Slot("cpu0", {}), Slot("cpu1", {})]) is None
-    monkeypatch.setattr("src.sweep.ledger.card_total_gib", lambda index: None)
+    monkeypatch.setattr("src.gpus.total_gib", lambda index: None)
     assert CardLedger.for_slots(slots) is None  # NVML cannot say: as many at once as the user set
 
 

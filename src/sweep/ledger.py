@@ -3,8 +3,9 @@ share fits beside the shares of the trials already running on that card, so more
 allows (small settings) and fewer where it does not (settings near the budget), never more than the card holds.
 
 A trial's share is what the memory model says it may take on the card, its stated error included (`share_of`),
-from a model that may decide (src/sweep/memory.py); without one, its whole budget and CUDA context. Each trial is
-still capped at `hardware.vram_budget_gib` (the card it stands in for): the ledger decides only when it starts.
+from a model that may decide (src/sweep/memory.py); without one, its whole budget. Each trial is still capped at
+`hardware.vram_budget_gib` (the card it stands in for, CUDA context included): the ledger decides only when it
+starts.
 Where a trial used more than its share and the card, not its budget, ran out (`src.failures.card_ran_out`), the one
 launcher runs it again holding the card alone (`alone`), so a crowded card never writes an OOM on the map.
 """
@@ -18,11 +19,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from src import gpus
 from src.sweep.slots import Slot
 from src.sweep.stop import stopping
 
 log = logging.getLogger(__name__)
-GIB = 1024**3
 # Left free on a shared card: other processes' contexts and the driver's own (NVML counts them in no trial's share).
 RESERVE_GIB = 1.0
 
@@ -46,7 +47,7 @@ class CardLedger:
         shared = [c for c in shared if sum(s.env.get("CUDA_VISIBLE_DEVICES") == c for s in slots) > 1]
         totals = {}
         for card in shared:
-            total = card_total_gib(int(card))
+            total = gpus.total_gib(int(card))
             if total is None:  # NVML cannot say: the slots run as many at once as the user set, as before
                 log.warning("card %s: NVML gives no total memory; its %s trials start without the ledger", card,
                             sum(s.env.get("CUDA_VISIBLE_DEVICES") == card for s in slots))  # fmt: skip
@@ -122,18 +123,3 @@ class CardLedger:
                 f"({sum(waits):.0f} s in all)"
             )
         return lines
-
-
-def card_total_gib(index: int) -> float | None:
-    """A card's memory in GiB from NVML (opened and closed around the question: no CUDA context), None where NVML
-    cannot say."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total / GIB
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
