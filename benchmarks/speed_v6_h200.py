@@ -26,6 +26,8 @@ process of its own, while the deadline leaves it time (`plan`):
   d_nodrop  d with LoRA dropout 0, the adapter b trains (a recipe change: compared, never the best setting);
   d_selective  d with trainer.recompute=selective (the same adapter; a candidate for the best setting). Last, so a
             whole run's deadline rarely reaches it: measure it beside d with `--only d d_selective` (NOTES §13).
+  e, e_selective, d_no_down, e_no_down  eager layers, and trainer.recompute=no_down compiled and eager (NOTES §16):
+            `--only d d_no_down e e_no_down`.
 Every arm is measured the same way: per optimizer step, its seconds (synchronized) and non-padding tokens; tokens/s is
 the median over >= 3 windows of each arm's `window_steps` steps after its `warmup_steps`; peaks are torch's allocator (reserved)
 and NVML's (the whole process); MFU is one formula for every arm (`mfu`: tokens/s x useful FLOPs per token / the card's
@@ -193,6 +195,30 @@ ARMS: tuple[Arm, ...] = (
         "e with trainer.recompute=selective: the recompute policy's gain alone, eager layers",
         "project",
         overrides=(*(o for o in BEST if not o.startswith("trainer.torch_compile")), "trainer.recompute=selective"),
+        estimate_s=55,
+        limit_s=140,
+        window_steps=3,
+        candidate=True,
+    ),
+    # trainer.recompute=no_down (src/recompute.py base_last): the recompute ends before the frozen down_proj product,
+    # at full's memory. Compiled (d_no_down: the product between compiled pieces, a graph break) and eager (e_no_down).
+    Arm(
+        "d_no_down",
+        "d with trainer.recompute=no_down: LoRA's term before the frozen down_proj product, which the recompute then "
+        "never reaches",
+        "project",
+        overrides=(*BEST, "trainer.recompute=no_down"),
+        estimate_s=95,
+        limit_s=180,
+        warmup_steps=4,
+        window_steps=3,
+        candidate=True,  # the same adapter as d (tests/test_recompute.py): the best setting if it is faster
+    ),
+    Arm(
+        "e_no_down",
+        "e with trainer.recompute=no_down: the reordering's gain alone, eager layers",
+        "project",
+        overrides=(*(o for o in BEST if not o.startswith("trainer.torch_compile")), "trainer.recompute=no_down"),
         estimate_s=55,
         limit_s=140,
         window_steps=3,
@@ -371,6 +397,13 @@ def summary(arms: dict[str, dict], order: Sequence[Arm] = ARMS) -> dict:
     # the policy alone, eager layers (e_selective beside e)
     out["selective_vs_full_recompute_eager_layers"], out["selective_extra_reserved_gib_eager_layers"] = _beside(
         arms.get("e_selective") or {}, arms.get("e") or {}
+    )
+    # trainer.recompute=no_down beside full recompute: compiled layers (d_no_down beside d), eager (e_no_down beside e)
+    out["no_down_vs_full_recompute"], out["no_down_extra_reserved_gib"] = _beside(
+        arms.get("d_no_down") or {}, arms.get("d") or {}
+    )
+    out["no_down_vs_full_recompute_eager_layers"], out["no_down_extra_reserved_gib_eager_layers"] = _beside(
+        arms.get("e_no_down") or {}, arms.get("e") or {}
     )
     plain = _rate(arms.get("c") or {})
     out["plain_peft_trl_tokens_per_s"] = plain

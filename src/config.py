@@ -98,7 +98,7 @@ class TrainerConfig:
     optim: str = MISSING
     bf16: bool = MISSING
     gradient_checkpointing: bool = MISSING
-    # With gradient_checkpointing: full | selective (src/recompute.py: keep down_proj's product from the forward)
+    # With gradient_checkpointing: full | no_down | selective (src/recompute.py: what the backward redoes)
     recompute: str = MISSING
     # The user's word; transformers now says train_sampling_strategy="group_by_length".
     group_by_length: bool = MISSING

@@ -39,8 +39,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("trainer.per_device_train_batch_size", "batch", "increasing", lever="half"),
     # false (off) needs more than true: recomputing activations keeps one layer's instead of all of them
     Knob("trainer.gradient_checkpointing", "ckpt", "decreasing", lever=True),
-    # selective needs more than full: it keeps down_proj's product of every layer from the forward (src/recompute.py).
-    # "increasing" compares the words, and full < selective in that order too. Only with checkpointing (preflight).
+    # selective needs more than full: it keeps down_proj's product of every layer from the forward (src/recompute.py);
+    # no_down needs what full needs. "increasing" compares the words: full < no_down < selective, so an OOM at full
+    # makes the other two certain OOMs, one at no_down selective's. Only with checkpointing (preflight).
     Knob("trainer.recompute", "recompute", "increasing"),
     Knob("model.attn_implementation", "attn", lever="sdpa"),  # fused kernels keep no L x L scores
     Knob("trainer.padding_free", "pad_free"),

@@ -5,7 +5,8 @@ the checkpoint call's arguments: the trainer's (src/config.py sft_kwargs) and th
 `full` (the default): each checkpointed decoder layer runs its whole forward again in the backward, so a micro-batch
 executes 6P matmul FLOPs a token for 4P useful (benchmarks/NOTES.md §5a). `selective`: torch's selective activation
 checkpointing keeps, from the first forward, the outputs of the matmuls whose reduction runs over the MLP's
-intermediate width (the frozen down_proj's product, and its LoRA A's), and recomputes everything else.
+intermediate width (the frozen down_proj's product, and its LoRA A's), and recomputes everything else. `no_down`:
+full's recompute without the frozen down_proj's product, at full's memory (`base_last`, below).
 
 Why those. Holding a matmul's output saves 2·K FLOPs a value for the 2 bytes a bf16 value takes: the FLOPs saved per
 byte held is the reduction width K, whatever the output's width. down_proj reduces over the intermediate width
@@ -27,8 +28,11 @@ from typing import Any
 
 from src.failures import ConfigError
 
-# trainer.recompute's words (preflight refuses any other)
-RECOMPUTE = ("full", "selective")
+# trainer.recompute's words (preflight refuses any other). Their string order is their memory's (the sweep's
+# certain-OOM rule compares the words, src/knobs.py): full = no_down < selective.
+RECOMPUTE = ("full", "no_down", "selective")
+# The projection whose product ends a decoder layer (Llama's MLP): nothing after it in the layer saves a tensor
+LAST_PROJECTION = "down_proj"
 
 
 def checkpoint_kwargs(cfg: Any) -> dict[str, Any]:
@@ -100,6 +104,14 @@ def compiles_the_checkpoint(cfg: Any) -> bool:
     return cfg.trainer.torch_compile == "layers" and cfg.trainer.recompute == "selective"
 
 
+def checkpoint_inside_forward() -> bool:
+    """Whether this transformers checkpoints a decoder layer inside its `forward` (5.23 on, which `compile_layers`
+    then compiles with the checkpoint in it) rather than around the layer's call (5.17-5.22)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__init_subclass__" in vars(GradientCheckpointingLayer)
+
+
 def compiled_checkpoints() -> Any:
     """A trainer callback that compiles every decoder layer's checkpoint call with the layer inside it at the start of
     training: the Trainer enables checkpointing again in `train()` (setting each layer's checkpoint function), after
@@ -134,3 +146,65 @@ def compile_checkpoints(model: Any) -> int:
 
 def _checkpoint(checkpoint: Any, function: Any, *args: Any) -> Any:
     return checkpoint(function, *args)
+
+
+def base_last(model: Any) -> int:
+    """`trainer.recompute=no_down`: every LoRA-adapted down_proj computes its LoRA term first and the frozen 4-bit
+    product last. Returns how many projections.
+
+    Why it skips a matmul. Non-re-entrant checkpointing recomputes a layer's forward only until every tensor its
+    backward saved is back (torch's early stop, on by default), then stops. In peft's order the frozen product comes
+    first and LoRA's term after it, so the recompute runs the product to reach what LoRA saved. Nothing in the
+    backward needs that product: the base is frozen, bitsandbytes' 4-bit matmul saves no tensor for its backward (it
+    keeps the packed weight on its context), and what follows it in the layer, two additions, saves none either. With
+    LoRA's term first the recompute stops before the product: 8.5% of the matmul work of a 16 k-token micro-batch on
+    the 8B (benchmarks/NOTES.md §13's count), at no memory. The sum is the same: `product + lora`, the same operands,
+    the same casts, bit for bit (tests/test_recompute.py).
+
+    The product runs outside torch.compile (`_frozen`): under `trainer.torch_compile=layers` a layer compiled as one
+    graph would recompute as one graph; the break leaves the product between the compiled pieces, where the early
+    stop can fall. Only 4-bit projections: a frozen bf16 or fp32 matmul saves its weight for the backward, so the
+    recompute has to run it anyway. Forms this does not cover (several adapters at once, merged or disabled adapters,
+    variants such as DoRA, extra arguments) take peft's own forward."""
+    import types
+
+    from peft.tuners.lora.bnb import Linear4bit
+
+    patched = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == LAST_PROJECTION and isinstance(module, Linear4bit):
+            module.forward = types.MethodType(_lora_then_base, module)
+            patched += 1
+    return patched
+
+
+def _lora_then_base(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """peft's 4-bit LoRA forward (peft/tuners/lora/bnb.py Linear4bit.forward) for one vanilla adapter, with the frozen
+    product computed after LoRA's term instead of before it (peft's defensive clone of the product is left out: the
+    sum is a new tensor)."""
+    import torch
+
+    adapters = [a for a in self.active_adapters if a in self.lora_A]
+    if args or kwargs or self.disable_adapters or self.merged or len(adapters) != 1 or adapters[0] in self.lora_variant:
+        return type(self).forward(self, x, *args, **kwargs)
+    adapter = adapters[0]
+    lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
+    conversion = not torch.is_autocast_enabled()
+    lora_x = self._cast_input_dtype(x, lora_a.weight.dtype) if conversion else x
+    lora = lora_b(lora_a(self.lora_dropout[adapter](lora_x))) * self.scaling[adapter]
+    result = _frozen()(self.base_layer, x)
+    if conversion:
+        lora = lora.to(result.dtype)
+    return result + lora
+
+
+@functools.cache
+def _frozen() -> Any:
+    """The frozen product's call, never traced by torch.compile (a graph break where it stands)."""
+    import torch
+
+    @torch.compiler.disable
+    def frozen(base_layer: Any, x: Any) -> Any:
+        return base_layer(x)
+
+    return frozen

@@ -84,6 +84,8 @@ def test_selective_recompute_costs_every_layers_down_proj_product() -> None:
     assert gained == pytest.approx(kept * DEFAULTS["layer_inputs"])
     no_ckpt = full.with_knobs(checkpointing=False)
     assert counts(no_ckpt.with_knobs(recompute="selective"), batch) == counts(no_ckpt, batch)
+    # no_down skips a product nothing keeps: full's memory, term for term
+    assert counts(full.with_knobs(recompute="no_down"), batch) == counts(full, batch)
     # read from the composed config, as the sweep's gate and src.fit read it
     base = ["model=llama3_8b_synthetic", "trainer.gradient_checkpointing=true"]
     assert Setting.from_config(compose([*base, "trainer.recompute=selective"])).recompute == "selective"

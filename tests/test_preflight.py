@@ -274,14 +274,28 @@ def test_padding_free_without_packing_is_refused_and_packing_accepted(root: Path
     assert not [f for f in report.findings if f.check == "padding_free"]
 
 
-def test_selective_recompute_needs_checkpointing_and_a_known_word(root: Path) -> None:
-    message = _refusal(["trainer.recompute=selective", "trainer.gradient_checkpointing=false"])
-    lines = [line for line in message.splitlines() if "trainer.recompute=selective" in line]
+@pytest.mark.parametrize("word", ["selective", "no_down"])
+def test_a_recompute_choice_needs_checkpointing_and_a_known_word(word: str, root: Path) -> None:
+    message = _refusal([f"trainer.recompute={word}", "trainer.gradient_checkpointing=false"])
+    lines = [line for line in message.splitlines() if f"trainer.recompute={word}" in line]
     assert lines and all("set trainer.gradient_checkpointing=true" in line for line in lines)  # each in one line
-    assert "trainer.recompute=some is not one of full, selective" in _refusal(["trainer.recompute=some"])
-    for ok in (["trainer.recompute=selective", "trainer.gradient_checkpointing=true"], ["trainer.recompute=full"]):
+    assert "trainer.recompute=some is not one of full, no_down, selective" in _refusal(["trainer.recompute=some"])
+    for ok in ([f"trainer.recompute={word}", "trainer.gradient_checkpointing=true"], ["trainer.recompute=full"]):
         report = preflight.run(compose_cfg(ok), data=False)
         assert not [f for f in report.findings if f.check == "recompute"]
+
+
+def test_no_down_with_compiled_layers_is_warned_about_where_the_compile_gain_is_lost(root: Path) -> None:
+    """transformers 5.23 checkpoints inside the compiled layer; a checkpoint holding a graph break (the frozen
+    product's) runs eagerly there. Where the checkpoint sits around the compiled layer (5.17-5.22), no warning."""
+    from src import recompute
+
+    cfg = compose_cfg(["trainer.gradient_checkpointing=true", "trainer.recompute=no_down", "trainer.torch_compile=layers"])
+    found = [f for f in preflight.run(cfg, data=False).findings if f.check == "recompute"]
+    if recompute.checkpoint_inside_forward():
+        assert [f.severity for f in found] == ["warning"] and "lose their compile gain" in found[0].message
+    else:
+        assert not found
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,7 @@ def _train_steps(recompute: str, compiled: bool = False, steps: int = 3) -> dict
     model = models.prepare_for_kbit_training(model, cfg)
     torch.manual_seed(0)
     model = models.attach_lora(model, instantiate(cfg.lora, _convert_="all"))
+    reordered = recompute_path.base_last(model) if recompute == "no_down" else 0
     torch._dynamo.reset()
     if compiled and recompute == "selective":
         recompute_path.compile_checkpoints(model)  # the checkpoint call compiled with the layer in it
@@ -76,7 +77,14 @@ def _train_steps(recompute: str, compiled: bool = False, steps: int = 3) -> dict
         grads = {n: p.grad.detach().clone() for n, p in lora.items()}
         optimizer.step()
     weights = {n: p.detach().clone() for n, p in lora.items()}
-    return {"cfg": cfg, "losses": losses, "grads": grads, "weights": weights, "matmuls": backward_matmuls}
+    return {
+        "cfg": cfg,
+        "losses": losses,
+        "grads": grads,
+        "weights": weights,
+        "matmuls": backward_matmuls,
+        "reordered": reordered,
+    }
 
 
 # The compiled tests share one worker (xdist_group "inductor", with tests/test_trial.py's), one after another: with a
@@ -151,6 +159,46 @@ def test_the_trainer_s_checkpoint_call_carries_the_policy_to_every_layer(
     assert policy.saved >= (2 if compiled else 2 * len(layers) * cfg.trainer.max_steps)
 
 
+@pytest.mark.slow(seconds=10)
+def test_no_down_trains_the_same_adapter_and_recomputes_no_frozen_down_product(root: Path) -> None:
+    """trainer.recompute=no_down (src/recompute.py base_last): LoRA's term before the frozen 4-bit product in every
+    down_proj, so the checkpoint's recompute, which stops once the tensors the backward saved are back, ends before
+    the product. The same adapter as full recompute, bit for bit (the same sum of the same operands), one matmul
+    over the MLP's width fewer a layer in each backward, and nothing else changed."""
+    full, no_down = _train_steps("full"), _train_steps("no_down")
+    layers = int(full["cfg"].model.build.num_hidden_layers)
+    assert no_down["reordered"] == layers, "every layer's down_proj"
+    assert no_down["losses"] == full["losses"]
+    for name, grad in full["grads"].items():
+        assert torch.equal(no_down["grads"][name], grad), name
+    for name, weight in full["weights"].items():
+        assert torch.equal(no_down["weights"][name], weight), name
+    assert full["losses"][-1] < full["losses"][0], "the adapter learned on the batch"
+    mlp = int(full["cfg"].model.build.intermediate_size)
+    for f, n in zip(full["matmuls"], no_down["matmuls"], strict=True):
+        assert f.get(mlp, 0) - n.get(mlp, 0) == layers, (f, n)  # the frozen product's recompute, once a layer
+        assert {k: v for k, v in f.items() if k != mlp} == {k: v for k, v in n.items() if k != mlp}, (f, n)
+
+
+def test_no_down_reorders_only_4bit_down_projections_with_one_plain_adapter(root: Path) -> None:
+    """What base_last leaves alone keeps peft's own forward: projections other than down_proj, and a down_proj whose
+    adapters are switched off (the sum would then be the product alone)."""
+    cfg = compose_cfg([*FP32, "trainer.gradient_checkpointing=true", "trainer.recompute=no_down"])
+    model, _ = models.load(cfg)
+    model = models.attach_lora(models.prepare_for_kbit_training(model, cfg), instantiate(cfg.lora, _convert_="all"))
+    assert recompute_path.base_last(model) == cfg.model.build.num_hidden_layers
+    patched = {n for n, m in model.named_modules() if "forward" in vars(m)}
+    assert patched and all(n.endswith(".mlp.down_proj") for n in patched), patched
+    model.eval()  # LoRA dropout off: two calls see the same input
+    down = next(m for n, m in model.named_modules() if n in patched)
+    x = torch.randn(3, down.in_features)
+    with torch.no_grad():
+        mixed = down(x)
+        with model.disable_adapter():
+            assert torch.equal(down(x), down.base_layer(x)), "adapters off: the frozen product alone"
+        assert torch.equal(mixed, type(down).forward(down, x)), "the same sum as peft's own forward"
+
+
 def test_the_sweeper_knows_selective_needs_at_least_full_s_memory() -> None:
     """The registry's direction for `trainer.recompute=choice(full,selective)`: the certain-OOM rule compares the
     words, so a full recompute that ran out of memory makes selective at the same setting a certain OOM, and not
@@ -160,4 +208,7 @@ def test_the_sweeper_knows_selective_needs_at_least_full_s_memory() -> None:
 
     direction = knobs.memory_directions()["trainer.recompute"]
     assert at_least("selective", "full", direction) and not at_least("full", "selective", direction)
+    # no_down holds what full holds: an OOM at full is one at no_down, and one at no_down is one at selective
+    assert at_least("no_down", "full", direction) and at_least("selective", "no_down", direction)
+    assert not at_least("no_down", "selective", direction)
     assert knobs.BY_KEY["trainer.recompute"].lever is None, "not a memory lever: it costs memory"

@@ -113,6 +113,12 @@ def test_the_summary_holds_the_issue_s_keys_and_compares_this_project_s_best_wit
     assert sel["best_arm"] == "d_selective" and sel["best_setting"] == [*v6.BEST, "trainer.recompute=selective"]
     assert sel["selective_vs_full_recompute"] == pytest.approx(1.07)
     assert sel["selective_extra_reserved_gib"] == pytest.approx(4.0)
+    # no_down beside full recompute, compiled and eager: the same memory, a faster step
+    nd = v6.summary({**arms, "d_no_down": _arm(10_400, peak=15.8), "e": _arm(7_300), "e_no_down": _arm(7_600)})
+    assert nd["best_arm"] == "d_no_down" and nd["best_setting"] == [*v6.BEST, "trainer.recompute=no_down"]
+    assert nd["no_down_vs_full_recompute"] == pytest.approx(1.04) and nd["no_down_extra_reserved_gib"] == 0
+    assert nd["no_down_vs_full_recompute_eager_layers"] == pytest.approx(7_600 / 7_300)
+    assert s["no_down_vs_full_recompute"] is None, "not run"
     cut = v6.summary({**arms, "c": {**_arm(4_000), "status": "failed", "failure": {"kind": "timeout"}}})
     assert cut["vs_plain_peft_trl"] is None, "an arm cut short keeps its steps in the file, not in the comparison"
     assert s["map_settings"] is None and "map_settings" in s["not_measured"]
@@ -130,7 +136,9 @@ def test_the_summary_holds_the_issue_s_keys_and_compares_this_project_s_best_wit
 
 
 def test_the_deadline_runs_the_arms_in_their_order_of_importance_and_skips_what_does_not_fit() -> None:
-    assert [a.name for a in v6.ARMS] == ["d", "b", "c", "a", "d_nodrop", "d_selective", "e", "e_selective"]
+    assert [a.name for a in v6.ARMS] == [
+        *("d", "b", "c", "a", "d_nodrop", "d_selective", "e", "e_selective", "d_no_down", "e_no_down")
+    ]
     assert [a.name for a in v6.select(["d_selective", "d"])] == ["d", "d_selective"], "beside d, after it"
     assert [a.name for a in v6.select(["a", "b", "d"])] == ["d", "b", "a"], "importance, not the order asked"
     d, b = v6.ARMS[0], v6.ARMS[1]

@@ -12,7 +12,7 @@ from src import gpus
 from src.failures import FAULT_KINDS
 from src.models import SDPA_BACKENDS, context_length
 from src.preflight.report import Report
-from src.recompute import RECOMPUTE
+from src.recompute import RECOMPUTE, checkpoint_inside_forward
 
 # device_map values that spread a model over every visible GPU.
 _SPREADING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -148,13 +148,22 @@ def _check_trainer_features(cfg: DictConfig, report: Report) -> None:
     recompute = cfg.trainer.recompute
     if recompute not in RECOMPUTE:
         report.add("recompute", "error", f"trainer.recompute={recompute} is not one of {', '.join(RECOMPUTE)}")
-    elif recompute == "selective" and not cfg.trainer.gradient_checkpointing:
+    elif recompute != "full" and not cfg.trainer.gradient_checkpointing:
         report.add(
             "recompute",
             "error",
-            "trainer.recompute=selective chooses what checkpointing recomputes, but "
+            f"trainer.recompute={recompute} chooses what checkpointing recomputes, but "
             "trainer.gradient_checkpointing=false recomputes nothing; set trainer.gradient_checkpointing=true "
             "or trainer.recompute=full",
+        )
+    elif recompute == "no_down" and cfg.trainer.torch_compile == "layers" and checkpoint_inside_forward():
+        report.add(
+            "recompute",
+            "warning",
+            "trainer.recompute=no_down with trainer.torch_compile=layers: this transformers checkpoints inside the "
+            "compiled layer, and torch.compile runs a checkpoint with a graph break in it (the frozen product's) "
+            "eagerly, so the layers lose their compile gain; transformers 5.17-5.22 (the checkpoint around the "
+            "compiled layer) keep it. Or use trainer.recompute=full",
         )
     if cfg.trainer.torch_compile not in (False, True, "layers"):
         report.add(

@@ -96,6 +96,10 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     ctx.log_metrics(stats)
     ctx.mark("dataset")
     model = models.attach_lora(model, instantiate(cfg.lora, _convert_="all"))
+    if cfg.trainer.gradient_checkpointing and cfg.trainer.recompute == "no_down":
+        reordered = recompute.base_last(model)  # none without 4-bit LoRA down_proj: then it recomputes as full does
+        print(f"trainer.recompute=no_down: {reordered} down_proj products moved out of the recompute", flush=True)
+        ctx.set_tags({"trial.recompute_reordered": reordered})
     trainer = SFTTrainer(  # trl casts the adapters to bf16 on a 4-bit base, as it does with a peft_config
         model=model,
         args=SFTConfig(**sft_kwargs(cfg, use_cpu=not torch.cuda.is_available())),
