@@ -290,7 +290,9 @@ def test_no_down_with_compiled_layers_is_warned_about_where_the_compile_gain_is_
     product's) runs eagerly there. Where the checkpoint sits around the compiled layer (5.17-5.22), no warning."""
     from src import recompute
 
-    cfg = compose_cfg(["trainer.gradient_checkpointing=true", "trainer.recompute=no_down", "trainer.torch_compile=layers"])
+    cfg = compose_cfg(
+        ["trainer.gradient_checkpointing=true", "trainer.recompute=no_down", "trainer.torch_compile=layers"]
+    )
     found = [f for f in preflight.run(cfg, data=False).findings if f.check == "recompute"]
     if recompute.checkpoint_inside_forward():
         assert [f.severity for f in found] == ["warning"] and "lose their compile gain" in found[0].message
