@@ -163,7 +163,9 @@ def base_last(model: Any) -> int:
 
     The product runs outside torch.compile (`_frozen`): under `trainer.torch_compile=layers` a layer compiled as one
     graph would recompute as one graph; the break leaves the product between the compiled pieces, where the early
-    stop can fall. Only 4-bit projections: a frozen bf16 or fp32 matmul saves its weight for the backward, so the
+    stop can fall (whether torch stops there is measured, not assumed: benchmarks/NOTES.md §16). Where the
+    recompute runs to the layer's end, the product is computed again, as under full: never a different value, so
+    the adapter is full's whatever the early stop does. Only 4-bit projections: a frozen bf16 or fp32 matmul saves its weight for the backward, so the
     recompute has to run it anyway. Forms this does not cover (several adapters at once, merged or disabled adapters,
     variants such as DoRA, extra arguments) take peft's own forward."""
     import types
@@ -174,6 +176,8 @@ def base_last(model: Any) -> int:
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == LAST_PROJECTION and isinstance(module, Linear4bit):
             module.forward = types.MethodType(_lora_then_base, module)
+            # the disabled function itself, built here: Dynamo must meet it as a call to skip, not trace its making
+            module.qlora_frozen = _frozen()
             patched += 1
     return patched
 
@@ -192,7 +196,7 @@ def _lora_then_base(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     conversion = not torch.is_autocast_enabled()
     lora_x = self._cast_input_dtype(x, lora_a.weight.dtype) if conversion else x
     lora = lora_b(lora_a(self.lora_dropout[adapter](lora_x))) * self.scaling[adapter]
-    result = _frozen()(self.base_layer, x)
+    result = self.qlora_frozen(self.base_layer, x)
     if conversion:
         lora = lora.to(result.dtype)
     return result + lora
@@ -200,7 +204,8 @@ def _lora_then_base(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 @functools.cache
 def _frozen() -> Any:
-    """The frozen product's call, never traced by torch.compile (a graph break where it stands)."""
+    """The frozen product's call, never traced by torch.compile: a graph break where it stands, so that under
+    compiled layers the product sits between compiled pieces, where the recompute's early stop can fall."""
     import torch
 
     @torch.compiler.disable

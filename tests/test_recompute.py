@@ -41,7 +41,7 @@ class _Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _train_steps(recompute: str, compiled: bool = False, steps: int = 3) -> dict[str, Any]:
+def _train_steps(recompute: str, compiled: bool = False, steps: int = 3, early_stop: bool = True) -> dict[str, Any]:
     """A few AdamW steps of the tiny 4-bit Llama with LoRA (dropout on) on one fixed batch: the losses, the LoRA
     gradients of the last step, the LoRA weights after it, and the matmuls each backward ran."""
     import torch._dynamo
@@ -69,7 +69,8 @@ def _train_steps(recompute: str, compiled: bool = False, steps: int = 3) -> dict
     for step in range(steps):
         torch.manual_seed(100 + step)  # LoRA's dropout draws the same masks on both paths
         optimizer.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):  # read by each checkpoint as it runs
+            loss = model(input_ids=ids, labels=ids).loss
         with _Matmuls() as counter:
             loss.backward()
         backward_matmuls.append(counter.by_reduction)
@@ -159,13 +160,16 @@ def test_the_trainer_s_checkpoint_call_carries_the_policy_to_every_layer(
     assert policy.saved >= (2 if compiled else 2 * len(layers) * cfg.trainer.max_steps)
 
 
-@pytest.mark.slow(seconds=10)
-def test_no_down_trains_the_same_adapter_and_recomputes_no_frozen_down_product(root: Path) -> None:
+@pytest.mark.parametrize(
+    "early_stop", [pytest.param(True, marks=pytest.mark.slow(seconds=10)), False], ids=["early_stop", "to_the_end"]
+)
+def test_no_down_trains_the_same_adapter_and_recomputes_no_frozen_down_product(root: Path, early_stop: bool) -> None:
     """trainer.recompute=no_down (src/recompute.py base_last): LoRA's term before the frozen 4-bit product in every
     down_proj, so the checkpoint's recompute, which stops once the tensors the backward saved are back, ends before
-    the product. The same adapter as full recompute, bit for bit (the same sum of the same operands), one matmul
-    over the MLP's width fewer a layer in each backward, and nothing else changed."""
-    full, no_down = _train_steps("full"), _train_steps("no_down")
+    the product: one matmul over the MLP's width fewer a layer in each backward, nothing else changed. Where the
+    recompute runs to the layer's end (early stop off) it computes the product again, as full does. Either way the
+    same adapter as full recompute, bit for bit (the same sum of the same operands)."""
+    full, no_down = _train_steps("full", early_stop=early_stop), _train_steps("no_down", early_stop=early_stop)
     layers = int(full["cfg"].model.build.num_hidden_layers)
     assert no_down["reordered"] == layers, "every layer's down_proj"
     assert no_down["losses"] == full["losses"]
@@ -176,7 +180,8 @@ def test_no_down_trains_the_same_adapter_and_recomputes_no_frozen_down_product(r
     assert full["losses"][-1] < full["losses"][0], "the adapter learned on the batch"
     mlp = int(full["cfg"].model.build.intermediate_size)
     for f, n in zip(full["matmuls"], no_down["matmuls"], strict=True):
-        assert f.get(mlp, 0) - n.get(mlp, 0) == layers, (f, n)  # the frozen product's recompute, once a layer
+        # the frozen product's recompute, once a layer, where the recompute stops early
+        assert f.get(mlp, 0) - n.get(mlp, 0) == (layers if early_stop else 0), (f, n)
         assert {k: v for k, v in f.items() if k != mlp} == {k: v for k, v in n.items() if k != mlp}, (f, n)
 
 
