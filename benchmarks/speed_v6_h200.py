@@ -660,15 +660,75 @@ def peer_arm(arm: Arm, model: str, logs: Path, budget_s: float, unsloth_site: Pa
 
 
 def resummarize(path: Path) -> int:
+    """The summary again from the file's arms; keys its arms leave empty keep what other commands filled in (the map's
+    from `benchmarks.map_quick_h200 summarize`, no_down's from `pooled --into`)."""
     data = json.loads(path.read_text())
     peak = (data.get("matmul") or {}).get("bf16_tflops")
     for raw in data.get("arms", {}).values():
         if raw.get("steps") is not None:
             raw["figures"] = figures(raw, peak)
+    before = data.get("summary") or {}
     data["summary"] = summary(data.get("arms", {}))
+    for key, value in before.items():
+        if data["summary"].get(key) is None and value is not None:
+            data["summary"][key] = value
+    missing = {k: v for k, v in (data["summary"].get("not_measured") or {}).items() if data["summary"].get(k) is None}
+    if missing:
+        data["summary"]["not_measured"] = missing
+    else:
+        data["summary"].pop("not_measured", None)
+    data["summary"]["targets"] = targets(data["summary"])
     path.write_text(json.dumps(data, indent=2, default=str))
     print(json.dumps(data["summary"], indent=2, default=str))
     return 0
+
+
+def pooled(files: Sequence[Path], pairs: Sequence[tuple[str, str]] = (("d", "d_no_down"), ("e", "e_no_down"))) -> dict:
+    """An arm beside its baseline over repeated runs (each run has both, alone on the card one after the other): per
+    run the ratio of the median windows, and over all runs the ratio of the medians of every window; peaks per run.
+    Only finished arms count."""
+    out: dict[str, Any] = {}
+    for base, arm in pairs:
+        runs, windows = [], {base: [], arm: []}
+        for f in files:
+            arms = json.loads(Path(f).read_text()).get("arms", {})
+            a, b = arms.get(arm) or {}, arms.get(base) or {}
+            if not (_rate(a) and _rate(b)):
+                continue
+            for name, rec in ((base, b), (arm, a)):
+                windows[name] += [w["tokens_per_s"] for w in rec["figures"].get("windows", [])]
+            ratio, extra = _beside(a, b)
+            runs.append({"file": Path(f).name, "ratio": ratio, "extra_reserved_gib": extra,
+                         "tokens_per_s": {base: _rate(b), arm: _rate(a)}})  # fmt: skip
+        if not runs:
+            continue
+        median = {name: statistics.median(w) for name, w in windows.items()}
+        out[f"{arm}_vs_{base}"] = {
+            "ratio_of_pooled_medians": median[arm] / median[base],
+            "pooled_median_tokens_per_s": median,
+            "windows": {name: len(w) for name, w in windows.items()},
+            "runs": runs,
+            "max_extra_reserved_gib": max(r["extra_reserved_gib"] for r in runs if r["extra_reserved_gib"] is not None),
+        }
+    return out
+
+
+def into(path: Path, found: dict, files: Sequence[Path]) -> None:
+    """no_down's pooled figures as the summary keys of a whole run's file (`no_down_source` says from where)."""
+    data = json.loads(path.read_text())
+    s = data["summary"]
+    for (arm, base), suffix in ((("d_no_down", "d"), ""), (("e_no_down", "e"), "_eager_layers")):
+        block = found.get(f"{arm}_vs_{base}")
+        if block:
+            s[f"no_down_vs_full_recompute{suffix}"] = block["ratio_of_pooled_medians"]
+            s[f"no_down_extra_reserved_gib{suffix}"] = block["max_extra_reserved_gib"]
+    gpus = sorted({json.loads(Path(f).read_text()).get("machine", {}).get("gpu.name", "?") for f in files})
+    s["no_down_source"] = (
+        f"{', '.join(str(f) for f in files)} ({', '.join(gpus)}): each run d and d_no_down (and e, e_no_down) alone on "
+        "the card one after the other; the ratio of the medians of all their windows "
+        "(python -m benchmarks.speed_v6_h200 pooled FILES)"
+    )
+    path.write_text(json.dumps(data, indent=2, default=str))
 
 
 def main() -> int:
@@ -688,7 +748,16 @@ def main() -> int:
     )
     s = sub.add_parser("summarize")
     s.add_argument("file", type=Path)
+    o = sub.add_parser("pooled", help="d_no_down beside d and e_no_down beside e over repeated runs' files")
+    o.add_argument("files", type=Path, nargs="+")
+    o.add_argument("--into", type=Path, default=None, help="write its no_down_* keys into this result file's summary")
     args = p.parse_args()
+    if args.cmd == "pooled":
+        found = pooled(args.files)
+        print(json.dumps(found, indent=2))
+        if args.into:
+            into(args.into, found, args.files)
+        return 0
     return run(args) if args.cmd == "run" else resummarize(args.file)
 
 

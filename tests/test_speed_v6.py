@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,33 @@ def test_the_peer_harness_measures_a_real_training_as_a_trial_does(root: Path, m
     assert record["flops_per_token"] == pytest.approx(sum(s["flops"] for s in measured) / sum(s["tokens"] for s in
                                                                                                measured))  # fmt: skip
     assert v6.figures({**record, "window_steps": 1}, 1.0)["mfu"] > 0
+
+
+def test_no_down_pooled_over_repeated_runs_goes_into_the_whole_run_s_summary(tmp_path: Path) -> None:
+    """`pooled`: per run the arm beside its baseline, over the runs the ratio of the medians of every window; `--into`
+    puts it in the whole run's summary, and `summarize` keeps it there (its own arms leave the keys empty)."""
+
+    def arm(windows: list[float], peak: float) -> dict:
+        rec = _arm(statistics.median(windows), peak=peak)
+        rec["figures"]["windows"] = [{"tokens_per_s": w} for w in windows]
+        return rec
+
+    files = []
+    for i, (base, fast) in enumerate([([100, 102, 98], [103, 104, 102]), ([101, 99, 100], [106, 105, 104])]):
+        f = tmp_path / f"run{i}.json"
+        f.write_text(json.dumps({"arms": {"d": arm(base, 15.8), "d_no_down": arm(fast, 15.6)}, "machine": {}}))
+        files.append(f)
+    found = v6.pooled(files)
+    block = found["d_no_down_vs_d"]
+    assert [r["ratio"] for r in block["runs"]] == pytest.approx([103 / 100, 105 / 100])
+    assert block["ratio_of_pooled_medians"] == pytest.approx(statistics.median([103, 104, 102, 106, 105, 104]) / 100)
+    assert block["windows"] == {"d": 6, "d_no_down": 6} and block["max_extra_reserved_gib"] == pytest.approx(-0.2)
+    assert "e_no_down_vs_e" not in found, "no eager arms in these runs"
+
+    whole = tmp_path / "speed_v6_h200.json"
+    whole.write_text(json.dumps({"arms": {"d": _arm(10_000)}, "summary": v6.summary({"d": _arm(10_000)})}))
+    v6.into(whole, found, files)
+    v6.resummarize(whole)
+    s = json.loads(whole.read_text())["summary"]
+    assert s["no_down_vs_full_recompute"] == pytest.approx(block["ratio_of_pooled_medians"])
+    assert s["no_down_vs_full_recompute_eager_layers"] is None and "pooled" in s["no_down_source"]
