@@ -176,3 +176,34 @@ def test_a_negative_max_skips_in_a_row_is_refused_naming_the_key(root: Path) -> 
     cfg = compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.max_skips_in_a_row=-1", "trainer.output_dir=/tmp/unused"])
     with pytest.raises(SpaceError, match=r"hydra.sweeper.max_skips_in_a_row=-1: must be at least 0"):
         SweepEngine(cfg, [])
+
+
+def test_a_fresh_grid_is_queued_edge_first_once_each_within_n_trials() -> None:
+    """seeds.edge_first on a fresh grid: the memory model's order, each setting once (the user's recipe, queued
+    before, is not queued again), no more than n_trials leaves room for."""
+    from optuna.trial import TrialState
+
+    from src import record
+    from src.sweep import seeds
+
+    space = {"a": [1, 2, 3], "b": [True, False]}
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler(space))
+    study.enqueue_trial({"a": 2, "b": True}, user_attrs={record.RECIPE: True})
+
+    class Memory:
+        active = True
+
+        def refresh(self, n: int) -> None:
+            pass
+
+        def edge_order(self, grid: list[dict], fixed: list[str]) -> list[dict]:
+            return sorted(grid, key=lambda p: (-p["a"], p["b"]))
+
+    class Store:
+        def occupied(self, study: optuna.Study) -> int:
+            return 0
+
+    distributions = {k: CategoricalDistribution(v) for k, v in space.items()}
+    seeds.edge_first(study, Store(), SimpleNamespace(n_trials=4), distributions, Memory(), [])
+    waiting = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(TrialState.WAITING,))]
+    assert waiting == [{"a": 2, "b": True}, {"a": 3, "b": False}, {"a": 3, "b": True}, {"a": 2, "b": False}]

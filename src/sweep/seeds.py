@@ -91,6 +91,20 @@ def edge_first(
     names = list(distributions)
     choices = [distributions[k].choices for k in names]  # a grid's space is categorical
     grid = [dict(zip(names, values, strict=True)) for values in itertools.product(*choices)]
+    # The study's trials read once, not once a setting: on a fresh grid nothing but this loop queues, so the room and
+    # the settings already queued (the user's) are known up front. The speed map's 96 settings queued in 7.1 s of the
+    # sweep's start when each read every trial (room, and enqueue_trial's skip_if_exists), 2.9 s so (2 CPUs, SQLite).
+    left = room(study, store, sweeper.n_trials)
+    held = {_key(t.system_attrs.get("fixed_params") or t.params) for t in study.get_trials(deepcopy=False)}
     for params in memory.edge_order(grid, fixed):
-        if not queue(study, store, sweeper.n_trials, params):
+        if left <= 0:
             return
+        if _key(params) in held:  # what enqueue_trial's skip_if_exists would skip, without its read of every trial
+            continue
+        study.enqueue_trial(params)
+        held.add(_key(params))
+        left -= 1
+
+
+def _key(params: dict[str, Any]) -> frozenset:
+    return frozenset((k, repr(v)) for k, v in params.items())
