@@ -165,9 +165,9 @@ def base_last(model: Any) -> int:
     graph would recompute as one graph; the break leaves the product between the compiled pieces, where the early
     stop can fall (whether torch stops there is measured, not assumed: benchmarks/NOTES.md §16). Where the
     recompute runs to the layer's end, the product is computed again, as under full: never a different value, so
-    the adapter is full's whatever the early stop does. Only 4-bit projections: a frozen bf16 or fp32 matmul saves its weight for the backward, so the
-    recompute has to run it anyway. Forms this does not cover (several adapters at once, merged or disabled adapters,
-    variants such as DoRA, extra arguments) take peft's own forward."""
+    the adapter is full's whatever the early stop does. Only 4-bit projections: a frozen bf16 or fp32 matmul saves
+    its weight for the backward, so the recompute has to run it anyway. Forms this does not cover (several adapters
+    at once, merged or disabled adapters, variants such as DoRA, extra arguments) take peft's own forward."""
     import types
 
     from peft.tuners.lora.bnb import Linear4bit
@@ -189,7 +189,8 @@ def _lora_then_base(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     import torch
 
     adapters = [a for a in self.active_adapters if a in self.lora_A]
-    if args or kwargs or self.disable_adapters or self.merged or len(adapters) != 1 or adapters[0] in self.lora_variant:
+    variants = getattr(self, "lora_variant", {})  # DoRA and the like (peft 0.17 on)
+    if args or kwargs or self.disable_adapters or self.merged or len(adapters) != 1 or adapters[0] in variants:
         return type(self).forward(self, x, *args, **kwargs)
     adapter = adapters[0]
     lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
