@@ -110,6 +110,20 @@ class Arm:
         return self.warmup_steps + self.window_steps * self.windows
 
 
+# d without compiled layers (eager layers): the baseline the recompute choices are measured beside without compiling
+EAGER = tuple(o for o in BEST if not o.startswith("trainer.torch_compile"))
+
+
+def _recompute_arm(name: str, what: str, word: str) -> Arm:
+    """d (name d_*) or e (e_*) with `trainer.recompute=word`: the same adapter as full recompute
+    (tests/test_recompute.py), so a candidate for the best setting if it is faster."""
+    if name.startswith("d_"):  # as d: the same compiling, a step a few % shorter (NOTES §13, §16)
+        return Arm(name, what, "project", overrides=(*BEST, f"trainer.recompute={word}"), estimate_s=95, limit_s=180,
+                   warmup_steps=4, window_steps=3, candidate=True)  # fmt: skip
+    return Arm(name, what, "project", overrides=(*EAGER, f"trainer.recompute={word}"), estimate_s=55, limit_s=140,
+               window_steps=3, candidate=True)  # fmt: skip
+
+
 # Times on the H200 (NOTES §11): a forked trial starts in ~5 s, a fresh interpreter imports the stack in ~20 s; loading
 # the 8B from bf16 and quantizing it ~20 s; packed 4096 x 4 x 2 is ~31 k tokens a step (~3 s at 10 k tokens/s).
 ARMS: tuple[Arm, ...] = (
@@ -166,17 +180,11 @@ ARMS: tuple[Arm, ...] = (
         window_steps=3,
         same_recipe=False,
     ),
-    Arm(
+    _recompute_arm(
         "d_selective",
         "d with trainer.recompute=selective: checkpointing keeps each layer's down_proj product from the forward "
         "(src/recompute.py) instead of recomputing it",
-        "project",
-        overrides=(*BEST, "trainer.recompute=selective"),
-        estimate_s=95,  # as d: the same compiling, a step ~6% shorter (NOTES §13)
-        limit_s=180,
-        warmup_steps=4,
-        window_steps=3,
-        candidate=True,  # the same adapter as d (tests/test_recompute.py): the best setting if it is faster
+        "selective",
     ),
     # The policy alone, without compiled layers (on the GPU image's transformers 5.17 the compiled path moves the
     # checkpoint around the compiled layer, NOTES §13): full and selective recompute, eager layers, side by side.
@@ -184,45 +192,27 @@ ARMS: tuple[Arm, ...] = (
         "e",
         "d without compiled layers (eager layers): full recompute, the baseline of e_selective",
         "project",
-        overrides=tuple(o for o in BEST if not o.startswith("trainer.torch_compile")),
+        overrides=EAGER,
         estimate_s=55,  # start 5, load 5, 11 steps of ~3.5 s
         limit_s=140,
         window_steps=3,
         candidate=True,
     ),
-    Arm(
+    _recompute_arm(
         "e_selective",
         "e with trainer.recompute=selective: the recompute policy's gain alone, eager layers",
-        "project",
-        overrides=(*(o for o in BEST if not o.startswith("trainer.torch_compile")), "trainer.recompute=selective"),
-        estimate_s=55,
-        limit_s=140,
-        window_steps=3,
-        candidate=True,
+        "selective",
     ),
     # trainer.recompute=no_down (src/recompute.py base_last): the recompute ends before the frozen down_proj product,
     # at full's memory. Compiled (d_no_down: the product between compiled pieces, a graph break) and eager (e_no_down).
-    Arm(
+    _recompute_arm(
         "d_no_down",
         "d with trainer.recompute=no_down: LoRA's term before the frozen down_proj product, which the recompute then "
         "never reaches",
-        "project",
-        overrides=(*BEST, "trainer.recompute=no_down"),
-        estimate_s=95,
-        limit_s=180,
-        warmup_steps=4,
-        window_steps=3,
-        candidate=True,  # the same adapter as d (tests/test_recompute.py): the best setting if it is faster
+        "no_down",
     ),
-    Arm(
-        "e_no_down",
-        "e with trainer.recompute=no_down: the reordering's gain alone, eager layers",
-        "project",
-        overrides=(*(o for o in BEST if not o.startswith("trainer.torch_compile")), "trainer.recompute=no_down"),
-        estimate_s=55,
-        limit_s=140,
-        window_steps=3,
-        candidate=True,
+    _recompute_arm(
+        "e_no_down", "e with trainer.recompute=no_down: the reordering's gain alone, eager layers", "no_down"
     ),
 )
 
