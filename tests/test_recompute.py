@@ -204,6 +204,21 @@ def test_no_down_reorders_only_4bit_down_projections_with_one_plain_adapter(root
         assert torch.equal(mixed, type(down).forward(down, x)), "the same sum as peft's own forward"
 
 
+def test_a_no_down_trial_reorders_every_layer_and_says_so(root: Path, tmp_path: Path, capsys: Any) -> None:
+    """The trial's own path (src/trial/single.py): after LoRA is attached, every layer's down_proj is reordered, the
+    trial prints how many and tags its MLflow run with the count, and trains."""
+    cfg = compose_cfg(
+        ["trainer=probe", "trainer.max_steps=2", "measure.warmup_steps=1", f"trainer.output_dir={tmp_path / 't'}"]
+        + ["trainer.gradient_checkpointing=true", "trainer.recompute=no_down", "model.attn_implementation=sdpa"]
+    )
+    ctx = context.TrialContext(*context.open_run(cfg))
+    single.train(cfg, tmp_path, ctx)
+    layers = int(cfg.model.build.num_hidden_layers)
+    assert f"trainer.recompute=no_down: {layers} down_proj products moved out of the recompute" in capsys.readouterr().out
+    assert ctx.client.get_run(ctx.run_id).data.tags["trial.recompute_reordered"] == str(layers)
+    assert ctx.trainer.state.global_step == cfg.trainer.max_steps
+
+
 def test_the_sweeper_knows_selective_needs_at_least_full_s_memory() -> None:
     """The registry's direction for `trainer.recompute=choice(full,selective)`: the certain-OOM rule compares the
     words, so a full recompute that ran out of memory makes selective at the same setting a certain OOM, and not
