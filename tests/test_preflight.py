@@ -515,3 +515,23 @@ def test_the_checks_tokenizer_is_the_one_autotokenizer_loads(root: Path, tmp_pat
     (other / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     (other / "tokenizer.json").write_text((path / "tokenizer.json").read_text())
     assert tokenizer_class(other) is AutoTokenizer
+
+
+@pytest.mark.parametrize(
+    "torch_v,transformers_v,warned",
+    [("2.13.0+cpu", "5.17.0", True), ("2.11.0", "5.17.0", False), ("2.13.0", "5.23.0", False)],
+)
+def test_compiled_layers_inside_an_eager_checkpoint_are_warned_about_where_they_break(
+    torch_v: str, transformers_v: str, warned: bool, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.13 with transformers 5.17-5.22 (checkpoint around the compiled layer): warned, with the way out."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    fake = {"torch": torch_v, "transformers": transformers_v}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: fake.get(name) or real(name))
+    cfg = compose_cfg(["trainer.gradient_checkpointing=true", "trainer.torch_compile=layers"])
+    found = [f for f in preflight.run(cfg, data=False).findings if f.check == "torch_compile"]
+    assert bool(found) == warned
+    if warned:
+        assert found[0].severity == "warning" and "pip install 'transformers>=5.23'" in found[0].message

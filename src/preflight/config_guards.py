@@ -165,6 +165,21 @@ def _check_trainer_features(cfg: DictConfig, report: Report) -> None:
             "eagerly, so the layers lose their compile gain; transformers 5.17-5.22 (the checkpoint around the "
             "compiled layer) keep it. Or use trainer.recompute=full",
         )
+    if (
+        cfg.trainer.torch_compile == "layers"
+        and cfg.trainer.gradient_checkpointing
+        and recompute != "selective"  # selective compiles the checkpoint itself (src/recompute.py)
+        and _compiled_layer_inside_checkpoint_breaks()
+    ):
+        report.add(
+            "torch_compile",
+            "warning",
+            "trainer.torch_compile=layers with checkpointing on torch>=2.13 and transformers<5.23: the compiled layer "
+            "runs inside an eager checkpoint, and on the CPU that pairing fails its first backward with "
+            "CheckpointError (recomputed tensors' metadata differ; benchmarks/NOTES.md §16; on torch 2.11 it trains). "
+            "If it does, pip install 'transformers>=5.23' (it checkpoints inside the compiled layer) or set "
+            "trainer.torch_compile=false",
+        )
     if cfg.trainer.torch_compile not in (False, True, "layers"):
         report.add(
             "torch_compile",
@@ -204,3 +219,17 @@ def _check_attention(cfg: DictConfig, report: Report) -> None:
                 "error",
                 f"model.attn_implementation=varlen: {why}; use model.attn_implementation=sdpa on this machine",
             )
+
+
+def _compiled_layer_inside_checkpoint_breaks() -> bool:
+    """torch 2.13 on with transformers 5.17-5.22 (the checkpoint around the compiled layer), read from the installed
+    packages' metadata: nothing is imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        torch, transformers = Version(version("torch")), Version(version("transformers"))
+    except PackageNotFoundError:
+        return False
+    return torch.release[:2] >= (2, 13) and transformers.release[:2] < (5, 23)
