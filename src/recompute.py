@@ -161,9 +161,12 @@ def base_last(model: Any) -> int:
     the 8B (benchmarks/NOTES.md §13's count), at no memory. The sum is the same: `product + lora`, the same operands,
     the same casts, bit for bit (tests/test_recompute.py).
 
-    The product runs outside torch.compile (`_frozen`): under `trainer.torch_compile=layers` a layer compiled as one
-    graph would recompute as one graph; the break leaves the product between the compiled pieces, where the early
-    stop can fall (whether torch stops there is measured, not assumed: benchmarks/NOTES.md §16). Where the
+    The product runs outside torch.compile (`_frozen`) where transformers checkpoints around the compiled layer
+    (5.17-5.22, the GPU image's): a layer compiled as one graph would recompute as one graph; the break leaves the
+    product between the compiled pieces, where the early stop can fall (whether torch stops there is measured, not
+    assumed: benchmarks/NOTES.md §16). From 5.23 the checkpoint is inside the compiled layer, where a break would
+    run the whole layer eagerly: there compiled layers keep the product in their graph, the same graph as under full
+    (its partitioner chooses what to recompute); eager layers still skip it. Where the
     recompute runs to the layer's end, the product is computed again, as under full: never a different value, so
     the adapter is full's whatever the early stop does. Only 4-bit projections: a frozen bf16 or fp32 matmul saves
     its weight for the backward, so the recompute has to run it anyway. Forms this does not cover (several adapters
@@ -172,12 +175,15 @@ def base_last(model: Any) -> int:
 
     from peft.tuners.lora.bnb import Linear4bit
 
+    # Where transformers checkpoints inside the compiled layer (5.23 on), a graph break in it makes torch.compile run
+    # the whole checkpoint eagerly: there the product stays in the compiled graph, which is then full's graph.
+    frozen = _call if checkpoint_inside_forward() else _frozen()
     patched = 0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == LAST_PROJECTION and isinstance(module, Linear4bit):
             module.forward = types.MethodType(_lora_then_base, module)
-            # the disabled function itself, built here: Dynamo must meet it as a call to skip, not trace its making
-            module.qlora_frozen = _frozen()
+            # the function itself, chosen here: Dynamo must meet a disabled one as a call to skip, not trace its making
+            module.qlora_frozen = frozen
             patched += 1
     return patched
 
@@ -201,6 +207,10 @@ def _lora_then_base(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     if conversion:
         lora = lora.to(result.dtype)
     return result + lora
+
+
+def _call(base_layer: Any, x: Any) -> Any:
+    return base_layer(x)
 
 
 @functools.cache

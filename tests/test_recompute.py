@@ -185,6 +185,27 @@ def test_no_down_trains_the_same_adapter_and_recomputes_no_frozen_down_product(r
         assert {k: v for k, v in f.items() if k != mlp} == {k: v for k, v in n.items() if k != mlp}, (f, n)
 
 
+@pytest.mark.xdist_group("inductor")
+def test_no_down_with_compiled_layers_keeps_one_graph_where_the_checkpoint_is_inside_it(root: Path) -> None:
+    """transformers 5.23 on checkpoints inside the compiled layer: there no_down leaves the product in the graph (a
+    break would run the checkpoint eagerly), so the compiled layer is one graph, full's: the same adapter, the same
+    backward matmuls. (5.17-5.22, the GPU image's, put the product between compiled pieces: benchmarks/NOTES.md §16.)"""
+    import torch._dynamo
+
+    if not recompute_path.checkpoint_inside_forward():
+        pytest.skip("this transformers checkpoints around the compiled layer")
+    full = _train_steps("full", compiled=True)
+    torch._dynamo.utils.counters.clear()
+    no_down = _train_steps("no_down", compiled=True)
+    assert (
+        torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 and not torch._dynamo.utils.counters["graph_break"]
+    )
+    torch.testing.assert_close(no_down["losses"], full["losses"], rtol=1e-6, atol=1e-6)
+    for name, grad in full["grads"].items():
+        torch.testing.assert_close(no_down["grads"][name], grad, rtol=1e-6, atol=1e-6, msg=name)
+    assert no_down["matmuls"] == full["matmuls"]
+
+
 def test_no_down_reorders_only_4bit_down_projections_with_one_plain_adapter(root: Path) -> None:
     """What base_last leaves alone keeps peft's own forward: projections other than down_proj, and a down_proj whose
     adapters are switched off (the sum would then be the product alone)."""
