@@ -236,7 +236,8 @@ def test_a_no_down_trial_reorders_every_layer_and_says_so(root: Path, tmp_path: 
     single.train(cfg, tmp_path, ctx)
     layers = int(cfg.model.build.num_hidden_layers)
     assert (
-        f"trainer.recompute=no_down: {layers} down_proj products moved out of the recompute" in capsys.readouterr().out
+        f"trainer.recompute=no_down: {layers} down_proj products computed after their LoRA terms"
+        in capsys.readouterr().out
     )
     assert ctx.client.get_run(ctx.run_id).data.tags["trial.recompute_reordered"] == str(layers)
     assert ctx.trainer.state.global_step == cfg.trainer.max_steps

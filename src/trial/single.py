@@ -98,7 +98,7 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     model = models.attach_lora(model, instantiate(cfg.lora, _convert_="all"))
     if cfg.trainer.gradient_checkpointing and cfg.trainer.recompute == "no_down":
         reordered = recompute.base_last(model)  # none without 4-bit LoRA down_proj: then it recomputes as full does
-        print(f"trainer.recompute=no_down: {reordered} down_proj products moved out of the recompute", flush=True)
+        print(f"trainer.recompute=no_down: {reordered} down_proj products computed after their LoRA terms", flush=True)
         ctx.set_tags({"trial.recompute_reordered": reordered})
     trainer = SFTTrainer(  # trl casts the adapters to bf16 on a 4-bit base, as it does with a peft_config
         model=model,
