@@ -3,6 +3,7 @@ the user's recipe, in one run on the GPU machine, on the same synthetic Llama-3-
 
     python -m benchmarks.speed_v6_h200 run [--deadline-s 470] [--unsloth-wheels DIR] [--only ARM ...] [--result F]
     python -m benchmarks.speed_v6_h200 summarize FILE                     # here: the summary again from the arms
+    python -m benchmarks.speed_v6_h200 pooled FILE... [--into F]          # here: no_down beside full over repeats
 
 On the lent H200 through benchmarks/memory_h200.sh (a session of its own; what it wrote comes back through $OUT):
     MODULE=benchmarks.speed_v6_h200 COPY=/tmp/speed_v6_run COLLECT=speed_v6_h200.json LOGS=speed_v6 WAIT=505 \
