@@ -699,7 +699,9 @@ def pooled(files: Sequence[Path], pairs: Sequence[tuple[str, str]] = (("d", "d_n
             "pooled_median_tokens_per_s": median,
             "windows": {name: len(w) for name, w in windows.items()},
             "runs": runs,
-            "max_extra_reserved_gib": max(r["extra_reserved_gib"] for r in runs if r["extra_reserved_gib"] is not None),
+            "max_extra_reserved_gib": max(
+                (r["extra_reserved_gib"] for r in runs if r["extra_reserved_gib"] is not None), default=None
+            ),
         }
     return out
 

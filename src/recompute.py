@@ -215,12 +215,8 @@ def _call(base_layer: Any, x: Any) -> Any:
 
 @functools.cache
 def _frozen() -> Any:
-    """The frozen product's call, never traced by torch.compile: a graph break where it stands, so that under
-    compiled layers the product sits between compiled pieces, where the recompute's early stop can fall."""
+    """`_call`, never traced by torch.compile: a graph break where it stands, so that under compiled layers the
+    product sits between compiled pieces, where the recompute's early stop can fall."""
     import torch
 
-    @torch.compiler.disable
-    def frozen(base_layer: Any, x: Any) -> Any:
-        return base_layer(x)
-
-    return frozen
+    return torch.compiler.disable(_call)
