@@ -669,7 +669,7 @@ def resummarize(path: Path) -> int:
     else:
         data["summary"].pop("not_measured", None)
     data["summary"]["targets"] = targets(data["summary"])
-    path.write_text(json.dumps(data, indent=2, default=str))
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     print(json.dumps(data["summary"], indent=2, default=str))
     return 0
 
@@ -721,7 +721,7 @@ def into(path: Path, found: dict, files: Sequence[Path]) -> None:
         "the card one after the other; the ratio of the medians of all their windows "
         "(python -m benchmarks.speed_v6_h200 pooled FILES)"
     )
-    path.write_text(json.dumps(data, indent=2, default=str))
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
 def main() -> int:
