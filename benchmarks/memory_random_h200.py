@@ -62,6 +62,12 @@ N_FRESH = 60  # launched: ~5-6 minutes on the card, within one device call
 FRESH_SEED = 20261206  # the Sobol design's was 29, the first held-out set's 20261204
 EXPANDABLE = "hardware.expandable_segments"
 FRESH_RAW = RESULTS / "memory_model_random_raw_fresh_h100.json"  # the fresh set as measured, at the 24 GiB cap
+# The second fresh set: drawn after the decision that the product runs on expandable segments (conf/hardware), every
+# setting on them, none equal to any setting measured before; judged by a model fitted to everything measured before.
+FRESH2_DESIGN = RESULTS / "memory_model_random_fresh2_design.json"
+FRESH2_SEED = 20261207
+N_FRESH2 = 64  # launched: ~1/5 OOM at the cap, so >= 40 measured; ~6-7 minutes at 3 trials at once on an H100
+JUDGED_DESIGNS = {"fresh": FRESH_DESIGN, "fresh2": FRESH2_DESIGN}
 PRESS = 0.05  # the pressed run's cap: each setting's own peak allocated + 5% (+ its CUDA context)
 
 
@@ -119,7 +125,8 @@ def certain_oom() -> Callable[[dict[str, Any]], bool]:
 
     def beyond(s: dict[str, Any]) -> bool:
         st = setting_of(s)
-        return old.predict(st, peak_batch(lens, st)).device_gib > CERTAIN_OOM * BUDGET
+        pred = old.predict(st, peak_batch(lens, st))
+        return pred.reserved_gib + pred.context_gib > CERTAIN_OOM * BUDGET  # its peak reserved, as every design's
 
     return beyond
 
@@ -164,23 +171,36 @@ def design() -> None:
     print(f"{DESIGN}: {len(calibration)} calibration, {len(held)} held-out, {len(not_launched)} not launched")
 
 
-def measured_before() -> set[str]:
-    """Every setting of the first design (calibration, held-out and not launched), the allocator aside."""
-    d = json.loads(DESIGN.read_text())
-    return {_key(s) for part in ("calibration", "held_out", "held_out_not_launched") for s in d[part]}
+def measured_before(*more: Path) -> set[str]:
+    """Every setting of the first design (calibration, held-out and not launched) and of the designs `more`, the
+    allocator aside."""
+    found = set()
+    for path in (DESIGN, *more):
+        d = json.loads(path.read_text())
+        found |= {_key(s) for part in ("calibration", "held_out", "held_out_not_launched") for s in d.get(part, [])}
+    return found
 
 
 def draw_fresh(
-    seen: set[str], n: int, seed: int, beyond: Callable[[dict[str, Any]], bool]
+    seen: set[str],
+    n: int,
+    seed: int,
+    beyond: Callable[[dict[str, Any]], bool],
+    allocator: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(launched, not launched): `n` settings drawn uniformly at random from the space, the allocator included, none
-    equal to a setting of `seen` (under either allocator) or to one another; those `beyond` calls certain OOMs apart."""
+    """(launched, not launched): `n` settings drawn uniformly at random from the space, the allocator included (or
+    fixed: `allocator`), none equal to a setting of `seen` (under either allocator) or to one another; those `beyond`
+    calls certain OOMs apart."""
     rng = np.random.default_rng(seed)
     seen = set(seen)
     held: list[dict[str, Any]] = []
     not_launched: list[dict[str, Any]] = []
     while len(held) < n:
-        s = setting_from_unit(rng.random(10))
+        s = (
+            setting_from_unit(rng.random(10))
+            if allocator is None
+            else {**setting_from_unit(rng.random(9)), **allocator}
+        )
         if _key(s) in seen:
             continue
         seen.add(_key(s))
@@ -208,6 +228,29 @@ def design_fresh() -> None:
     print(f"{FRESH_DESIGN}: {len(held)} fresh held-out, {len(not_launched)} not launched")
 
 
+def design_fresh2() -> None:
+    """The second fresh set: the product's allocator (expandable segments, conf/hardware's default since the pressed
+    run), drawn with a fourth seed after that decision and after the model was changed to decide on peak allocated
+    there; none of it equal to any setting of the first design or the first fresh set."""
+    seen = measured_before(FRESH_DESIGN)
+    held, not_launched = draw_fresh(seen, N_FRESH2, FRESH2_SEED, certain_oom(), {EXPANDABLE: True})
+    out = {
+        "design": f"second fresh held-out: uniform random draws (numpy default_rng({FRESH2_SEED}), the first design's "
+        "9 knobs) from the same space on the product's allocator (hardware.expandable_segments=true, the default), "
+        f"none equal to any setting measured before ({DESIGN.name}, {FRESH_DESIGN.name}: calibration, held-out or not "
+        "launched, under either allocator); drawn after the model's terms and its decision rule were chosen, so no "
+        "choice of the model saw them",
+        "space": setting_from_unit.__doc__,
+        "certain_oom_rule": f"not launched when the grid-calibrated model ({OLD_MODEL.name}) predicts a peak reserved "
+        f"> {CERTAIN_OOM}x the {BUDGET:g} GiB card",
+        "held_out": held,
+        "held_out_not_launched": not_launched,
+        "command": "python -m benchmarks.memory_random_h200 design --fresh2",
+    }
+    FRESH2_DESIGN.write_text(json.dumps(out, indent=1))
+    print(f"{FRESH2_DESIGN}: {len(held)} fresh held-out, {len(not_launched)} not launched")
+
+
 # ---- run (on the GPU) --------------------------------------------------------------------------------------------
 
 
@@ -218,8 +261,9 @@ def run(args: argparse.Namespace) -> None:
     root = Path(os.environ.get("QLORA_ROOT", "/tmp/qlora"))
     out = Path(os.environ.get("OUT") or root)
     budgets: dict[int, float] = {}
-    if args.design == "fresh":  # the final judgement's set alone
-        todo = [("fresh", i, s) for i, s in enumerate(json.loads(FRESH_DESIGN.read_text())["held_out"])]
+    if args.design in JUDGED_DESIGNS:  # a judgement's set alone
+        held = json.loads(JUDGED_DESIGNS[args.design].read_text())["held_out"]
+        todo = [(args.design, i, s) for i, s in enumerate(held)]
     elif args.design == "pressed":  # the fresh set's trained settings, each on a card cut to its own allocated peak
         todo, budgets = pressed_design(args.press)
     else:
@@ -238,7 +282,7 @@ def run(args: argparse.Namespace) -> None:
     MlflowClient(f"sqlite:///{root}/mlruns/mlflow.db").search_experiments()
     ctx = launcher.forkserver(list(launcher.DEFAULT_PRELOAD))
     rows: list[dict[str, Any]] = []
-    tag = args.tag if args.tag is not None else {"fresh": "_fresh", "pressed": "_pressed"}.get(args.design, "")
+    tag = args.tag if args.tag is not None else {"first": ""}.get(args.design, f"_{args.design}")
 
     def one(item: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         role, i, s = item
@@ -441,10 +485,16 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
 
     outfile = RESULTS / f"memory_model_random{tag}_h200.json"
     model_file = RESULTS / f"memory_model_random{tag}_calibration_h200.json"
-    if fresh is not None and fresh.resolve().parent != RESULTS:  # kept beside the others, committed
-        kept = RESULTS / "memory_model_random_raw_fresh_h200.json"
-        kept.write_text(fresh.read_text())
-        fresh = kept
+    judged_design = DESIGN
+    if fresh is not None:
+        judged_raw = json.loads(fresh.read_text())
+        judged_name = judged_raw.get("design") or "fresh"
+        judged_design = JUDGED_DESIGNS[judged_name]
+        if fresh.resolve().parent != RESULTS:  # kept beside the others, committed, named by its set and its card
+            card = "h200" if "H200" in str(judged_raw.get("gpu")) else "h100"
+            kept = RESULTS / f"memory_model_random_raw_{judged_name}_{card}.json"
+            kept.write_text(fresh.read_text())
+            fresh = kept
     raws = [json.loads(f.read_text()) for f in raw_files]
     lens = lengths()
 
@@ -481,6 +531,8 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
     for r, s, b in judged_rows:
         pred, pred_old = model.predict(s, b), old.predict(s, b)
         got = r["peak_vram_reserved_gib"] if r["status"] == "ok" else None
+        # what decides a fit (Prediction.needed_gib): peak allocated under expandable segments, else peak reserved
+        need = (r.get("peak_vram_allocated_gib") if pred.expandable else got) if got else None
         row = {
             "role": r["role"],
             "setting": r["setting"],
@@ -491,10 +543,14 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
             "predicted_peak_vram_reserved_gib": pred.reserved_gib,
             "predicted_peak_vram_device_gib": pred.device_gib,
             "predicted_terms_gib": pred.terms,
-            "predicted_allocated_gib": sum(v for k, v in pred.terms.items() if k != "allocator_cache"),
+            "predicted_allocated_gib": pred.allocated_gib,
+            "decided_on": "peak allocated" if pred.expandable else "peak reserved",
+            "measured_needed_gib": need,
+            "predicted_needed_gib": pred.needed_gib,
             "stated_error_pct": 100 * pred.error,
-            "error_pct": 100 * (pred.reserved_gib / got - 1) if got else None,
-            "under_prediction_pct": 100 * (got / pred.reserved_gib - 1) if got else None,
+            "error_pct": 100 * (pred.needed_gib / need - 1) if need else None,
+            "under_prediction_pct": 100 * (need / pred.needed_gib - 1) if need else None,
+            "reserved_error_pct": 100 * (pred.reserved_gib / got - 1) if got else None,
             "grid_model_error_pct": 100 * (pred_old.reserved_gib / got - 1) if got else None,
             **(comparisons(s, pred.reserved_gib) if got else {}),
         }
@@ -509,11 +565,11 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
         elif r["failure_kind"] == "oom":
             if pred.device_gib <= 0.9 * BUDGET:
                 fit_but_oom.append(r["setting"])
-            if pred.device_gib + pred.error * pred.reserved_gib <= BUDGET:  # src.fit's verdict "fits"
+            if pred.device_gib + pred.error * pred.needed_gib <= BUDGET:  # src.fit's verdict "fits"
                 said_fits_but_oom.append(r["setting"])
     judged = [x for x in settings if x["measured_peak_vram_reserved_gib"]]
     summary = {
-        "design": _design_words(fresh),
+        "design": _design_words(raw_files, judged_design if fresh else None),
         "independent": fresh is not None,
         "independence": "the fresh set: drawn after the model's terms were chosen, never seen by any choice of the "
         "model nor by its fit"
@@ -524,7 +580,11 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
         "calibration_settings": len({p.label for p in points}),
         "held_out": len(judged),
         **stats(errors["model"], [x["under_prediction_pct"] for x in judged]),
-        "max_under_prediction_rule": "the largest amount by which a measured peak reserved exceeded its prediction, "
+        "judged_on": "what decides whether a setting fits (src/fit/model.py Prediction.needed_gib): peak allocated "
+        "under expandable segments, whose cache is given back when the card presses (memory_model_pressed_h200.json: "
+        "every such setting trained on a card of its own peak allocated x 1.05), peak reserved on the default "
+        "allocator, where it is not (11 of 23 OOMed there); peak reserved itself is judged in `peak_reserved`",
+        "max_under_prediction_rule": "the largest amount by which a measured peak exceeded its prediction, "
         "as a share of the prediction (the margin that would have covered it; the stated error's unit); the other "
         "errors are shares of the measured peak",
         "model_own_error_pct": 100 * model.error,
@@ -546,9 +606,7 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
         "model_said_fits_but_oom_rule": "OOM'd although predicted on the card with its stated error <= the card "
         "(python -m src.fit's verdict FITS)",
         "held_out_oom": sum(1 for x in settings if x["failure_kind"] == "oom"),
-        "held_out_not_launched": len(
-            json.loads((FRESH_DESIGN if fresh else DESIGN).read_text())["held_out_not_launched"]
-        ),
+        "held_out_not_launched": len(json.loads(judged_design.read_text())["held_out_not_launched"]),
         "not_measured": [
             {"role": x["role"], "setting": x["setting"], "status": x["status"]}
             for x in settings
@@ -563,6 +621,10 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
         "accelerate_estimate_memory": stats(errors["accelerate_estimate_memory"]),
         "held_out_gpu": (json.loads(fresh.read_text()) if fresh else raws[0])["gpu"],
         # the two parts of the prediction judged apart: the tensors (peak allocated) and the allocator's cache
+        "peak_reserved": stats(
+            [x["reserved_error_pct"] for x in judged],
+            [100 * (x["measured_peak_vram_reserved_gib"] / x["predicted_peak_vram_reserved_gib"] - 1) for x in judged],
+        ),
         "peak_allocated": stats(
             [100 * (x["predicted_allocated_gib"] / x["measured_peak_vram_allocated_gib"] - 1) for x in judged],
             [100 * (x["measured_peak_vram_allocated_gib"] / x["predicted_allocated_gib"] - 1) for x in judged],
@@ -583,9 +645,9 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
         "slots": raws[0]["slots"],
         "wall_min": [x["wall_min"] for x in runs],
         "commands": [
-            "python -m benchmarks.memory_random_h200 design" + (" --fresh" if fresh else ""),
-            "WAIT=570 bash benchmarks/memory_random_h200.sh"
-            + (" --design fresh" if fresh else "")
+            "python -m benchmarks.memory_random_h200 design" + (f" --{judged_name}" if fresh else ""),
+            "WAIT=560 bash benchmarks/memory_random_h200.sh"
+            + (f" --design {judged_name}" if fresh else "")
             + "   (device, carry .whl)",
             command,
         ],
@@ -604,16 +666,15 @@ def _shown(path: Path) -> str:
     return str(path.resolve().relative_to(root)) if path.resolve().is_relative_to(root) else str(path)
 
 
-def _design_words(fresh: Path | None) -> str:
+def _design_words(raw_files: list[Path], judged: Path | None) -> str:
     first = json.loads(DESIGN.read_text())["design"]
-    if fresh is None:
+    if judged is None:
         return first + "; measured once per allocator (default; expandable segments)"
-    return (
-        "calibration: every setting of the first design, measured once per allocator ("
-        + first
-        + "); judged on: "
-        + json.loads(FRESH_DESIGN.read_text())["design"]
-    )
+    fitted = "every setting of the first design, measured once per allocator (" + first + ")"
+    designs = {json.loads(f.read_text()).get("design") for f in raw_files}
+    if "fresh" in designs:
+        fitted += "; and every setting of the first fresh set (" + json.loads(FRESH_DESIGN.read_text())["design"] + ")"
+    return "calibration: " + fitted + "; judged on: " + json.loads(judged.read_text())["design"]
 
 
 def stats(errors: list[float], under: list[float] | None = None) -> dict[str, float | None]:
@@ -642,13 +703,14 @@ def main() -> None:
     r.add_argument("--tag", default=None, help="suffix of the raw file's name (memory_random_raw<tag>.json)")
     r.add_argument(
         "--design",
-        choices=("first", "fresh", "pressed"),
+        choices=("first", "fresh", "fresh2", "pressed"),
         default="first",
         help="fresh: the final judgement's set; pressed: the fresh set on cards cut to its peak allocated",
     )
     r.add_argument("--press", type=float, default=PRESS, help="pressed: the cap's share above peak allocated")
     d = sub.add_parser("design")
-    d.add_argument("--fresh", action="store_true", help="the final judgement's fresh random set")
+    d.add_argument("--fresh", action="store_true", help="the first fresh random set")
+    d.add_argument("--fresh2", action="store_true", help="the second fresh random set, on expandable segments")
     s = sub.add_parser("summarize")
     s.add_argument("raw", type=Path, nargs="+", help="the first design's raw files (default allocator, expandable)")
     s.add_argument("--fresh", type=Path, default=None, help="the fresh set's raw file: judged on it alone")
@@ -657,7 +719,7 @@ def main() -> None:
     pr.add_argument("raw", type=Path, help="the pressed run's raw file (memory_random_raw_pressed.json)")
     args = p.parse_args()
     if args.what == "design":
-        design_fresh() if args.fresh else design()
+        design_fresh2() if args.fresh2 else design_fresh() if args.fresh else design()
     elif args.what == "run":
         run(args)
     elif args.what == "pressed":

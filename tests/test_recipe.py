@@ -137,6 +137,7 @@ def test_a_recipe_that_does_not_fit_gets_its_memory_levers_measured(root: Path, 
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.enqueue_trials=[{data.max_seq_length:512}]",
         "hydra.sweeper.recommend_trials=0",  # the levers alone (the search: tests/test_journey.py)
+        "hardware.expandable_segments=false",  # the default allocator, as a plain script runs: its lever is tried
     )
     study = optuna.load_study(study_name="levers", storage=f"sqlite:///{root}/sweeps/levers/optuna.db")
     trials = study.get_trials()
@@ -163,14 +164,17 @@ def test_a_recipe_that_does_not_fit_gets_its_memory_levers_measured(root: Path, 
 
 def test_the_allocators_lever_is_tried_only_where_the_trials_run_on_a_card() -> None:
     """`hardware.expandable_segments` moves only a CUDA device's memory: a sweep on the CPU does not spend a trial on
-    it; with a card (here `hydra.sweeper.devices=[0]`) it is one of the levers."""
+    it; with a card (here `hydra.sweeper.devices=[0]`) it is one of the levers of a recipe on the default allocator,
+    and none where the recipe already runs on expandable segments (the default)."""
     from src.sweep import recipe
 
     expandable = ["hardware.expandable_segments=true"]
-    on_cpu = recipe.levers(compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.devices=[]"]), {})
-    on_card = recipe.levers(compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.devices=[0]"]), {})
+    plain = ["hydra/sweeper=optuna", "hardware.expandable_segments=false"]
+    on_cpu = recipe.levers(compose_cfg([*plain, "hydra.sweeper.devices=[]"]), {})
+    on_card = recipe.levers(compose_cfg([*plain, "hydra.sweeper.devices=[0]"]), {})
     assert ["trainer.gradient_checkpointing=true"] in on_cpu and expandable not in on_cpu
     assert on_card == [*on_cpu, expandable]
+    assert recipe.levers(compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.devices=[0]"]), {}) == on_cpu
 
 
 def test_a_sweep_measures_what_each_length_cuts_instead_of_refusing_it(root: Path, monkeypatch) -> None:

@@ -116,6 +116,9 @@ def ask(model: MemoryModel, setting: Setting, lengths: Any, cards: list[float]) 
     out: dict[str, Any] = {
         "terms_gib": pred.terms,
         "predicted_peak_vram_reserved_gib": pred.reserved_gib,
+        "predicted_peak_vram_allocated_gib": pred.allocated_gib,
+        # what decides a fit: peak allocated under expandable segments, peak reserved on the default allocator
+        "predicted_needed_gib": pred.needed_gib,
         "cuda_context_gib": pred.context_gib,
         "predicted_on_card_gib": pred.device_gib,
         "error_frac": pred.error,  # the most it under-predicts, as a share of its prediction
@@ -138,7 +141,7 @@ def ask(model: MemoryModel, setting: Setting, lengths: Any, cards: list[float]) 
 
 def verdict(pred: Prediction, card: float) -> str:
     """fits (even if the model underestimates by its error) | edge (within the model's error) | does not fit."""
-    if pred.device_gib + pred.error * pred.reserved_gib <= card:
+    if pred.device_gib + pred.error * pred.needed_gib <= card:
         return "fits"
     if pred.certainly_over(card):
         return "does not fit"
@@ -223,7 +226,7 @@ def _candidate(c: Any, recipe_length: int) -> dict[str, Any] | None:
     return {
         "changes": c.changes,
         "words": c.words(recipe_length),
-        "predicted_peak_vram_reserved_gib": c.predicted_gib,
+        "predicted_needed_gib": c.predicted_gib,
         "if_under_predicted_gib": c.bound_gib,
         "truncated_answer_frac": c.cut,
         "predicted": True,  # from the memory model alone: measure it (a sweep does)
@@ -251,11 +254,22 @@ def render(answer: dict[str, Any], s: Setting, lengths: Any) -> str:
         f"{over:.1%} ({'expandable segments' if s.expandable_segments else 'the default allocator'})",
         "",
     ]
-    for name in TERMS:
+    needed = answer["predicted_needed_gib"]
+    spread = f"(+{err * needed:.2f} / -{needed * over / (1 + over):.2f})"
+    tensors = [name for name in TERMS if name != "allocator_cache"]
+    cache = answer["terms_gib"]["allocator_cache"]
+    for name in tensors if s.expandable_segments else TERMS:
         lines.append(f"  {name:<22}{answer['terms_gib'][name]:8.2f} GiB")
-    reserved = answer["predicted_peak_vram_reserved_gib"]
+    if s.expandable_segments:
+        lines += [
+            f"  {'= peak allocated':<22}{needed:8.2f} GiB  {spread}  what the card must hold: expandable segments give "
+            "their cache back when it presses",
+            f"  {'  (+ allocator_cache':<22}{cache:8.2f} GiB  = {answer['predicted_peak_vram_reserved_gib']:.2f} GiB "
+            "peak reserved where the card does not press)",
+        ]
+    else:
+        lines.append(f"  {'= peak reserved':<22}{needed:8.2f} GiB  {spread}")
     lines += [
-        f"  {'= peak reserved':<22}{reserved:8.2f} GiB  (+{err * reserved:.2f} / -{reserved * over / (1 + over):.2f})",
         f"  {'+ CUDA context':<22}{answer['cuda_context_gib']:8.2f} GiB",
         f"  {'= on the card':<22}{answer['predicted_on_card_gib']:8.2f} GiB",
         "",
@@ -284,8 +298,8 @@ def advice_words(c: dict[str, Any]) -> str:
     if best is not None:
         words = "the recipe as it is" if best["words"] == "recipe" else best["words"]
         return (
-            f"recommended (predicted, from the memory model alone): {words} — {best['predicted_peak_vram_reserved_gib']:.2f}"
-            f" GiB peak reserved, {best['if_under_predicted_gib']:.2f} if the model under-predicts by its error "
+            f"recommended (predicted, from the memory model alone): {words} — {best['predicted_needed_gib']:.2f}"
+            f" GiB needed, {best['if_under_predicted_gib']:.2f} if the model under-predicts by its error "
             f"(keeps the {margin}); cuts {best['truncated_answer_frac']:.1%} of answers"
         )
     closest = c["closest"]
@@ -293,7 +307,7 @@ def advice_words(c: dict[str, Any]) -> str:
         return "recommended (predicted): none; the model cannot describe the levers of this setting"
     return (
         f"recommended (predicted): none of the levers' combinations is predicted to keep the {margin}; the closest, "
-        f"{closest['words']}, is predicted at {closest['predicted_peak_vram_reserved_gib']:.2f} GiB "
+        f"{closest['words']}, is predicted to need {closest['predicted_needed_gib']:.2f} GiB "
         f"({closest['if_under_predicted_gib']:.2f} if under-predicted): measure it, or a larger card"
     )
 

@@ -2,7 +2,8 @@
 
 The allocated terms are fitted to each point's peak allocated, the allocator's cache to what its peak reserved holds
 beyond (one coefficient per allocator); the model's errors are what a fit that left a point out missed it by,
-under- and over-prediction apart, per allocator.
+under- and over-prediction apart, per allocator, on the figure that decides a fit there (`Prediction.needed_gib`:
+peak allocated under expandable segments, peak reserved on the default allocator).
 
 A point is a finished trial (`trial.status` ok) that measured a peak reserved VRAM; its setting is rebuilt from
 its params (the composed config, flattened) and its peak micro-batch from its data's token lengths. Points are
@@ -281,8 +282,12 @@ def fit(
 
 
 def ratio(model: MemoryModel, p: Point) -> float:
-    """Measured over predicted peak reserved: above 1, the model under-predicted."""
-    return p.reserved_gib / model.predict(p.setting, p.batch).reserved_gib
+    """Measured over predicted of what decides a fit (`Prediction.needed_gib`): peak allocated under expandable
+    segments (where the point measured it), else peak reserved. Above 1, the model under-predicted."""
+    pred = model.predict(p.setting, p.batch)
+    if pred.expandable and p.allocated_gib:
+        return p.allocated_gib / pred.allocated_gib
+    return p.reserved_gib / pred.reserved_gib
 
 
 def bounds(ratios: list[float]) -> tuple[float, float]:

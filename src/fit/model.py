@@ -6,7 +6,9 @@ autograd keeps, how many copies the loss makes) start at first-principles values
 of a stack; the weights' terms are exact counts and are not fitted. Peak reserved is peak allocated (the tensors)
 plus what the caching allocator holds beyond them (`allocator_cache`: blocks cached for one micro-batch's shapes that
 the next cannot reuse); the allocated terms are fitted to measured peak allocated, the cache to what is left, with a
-coefficient for each allocator (expandable segments hold much less).
+coefficient for each allocator (expandable segments hold much less). Whether a setting fits is decided on peak
+allocated under expandable segments (the cache is given back when the card presses) and on peak reserved on the
+default allocator (`Prediction.needed_gib`).
 
 The micro-batch at the peak comes from the user's own data: padded batches are as long as their longest row (a
 probe holds the longest rows, group_by_length puts them first), packed batches are one row of `batch x
@@ -341,18 +343,42 @@ def transient(s: Setting, c: dict[str, float]) -> dict[str, float]:
 
 @dataclass
 class Prediction:
+    """A setting's predicted peak. `needed_gib` is what decides whether it fits: under expandable segments the peak
+    allocated (the tensors: what the allocator caches beyond them it gives back when the card presses, measured in
+    benchmarks/NOTES.md §12b: every such setting trained on a card of its own peak allocated x 1.05), on the default
+    allocator the peak reserved (there, blocks split by live tensors are memory the setting needs: 11 of 23 OOMed on
+    that card). The errors are the needed figure's."""
+
     terms: dict[str, float]  # GiB per named term (peak reserved is their sum)
     context_gib: float
-    error: float  # the most the model under-predicts, as a share of its prediction (measured <= (1 + error) x it)
+    error: float  # the most the model under-predicts `needed_gib`, as a share of it (measured <= (1 + error) x it)
     error_over: float | None = None  # the most it over-predicts (measured >= it / (1 + error_over)); None: `error`
+    expandable: bool = False  # the allocator's expandable segments (`Setting.expandable_segments`)
 
     @property
     def reserved_gib(self) -> float:
+        """Peak reserved: the tensors and the allocator's cache, what torch's pool holds unpressed."""
         return sum(self.terms.values())
 
     @property
+    def allocated_gib(self) -> float:
+        """Peak allocated: the tensors alone."""
+        return self.reserved_gib - self.terms["allocator_cache"]
+
+    @property
+    def needed_gib(self) -> float:
+        """What the pool must be able to hold for the setting to train (see the class)."""
+        return self.allocated_gib if self.expandable else self.reserved_gib
+
+    @property
     def device_gib(self) -> float:
-        return self.reserved_gib + self.context_gib
+        """What the card must hold: the needed pool and the CUDA context."""
+        return self.needed_gib + self.context_gib
+
+    @property
+    def bound_gib(self) -> float:
+        """The needed pool if the model under-predicts it by its stated error."""
+        return self.needed_gib * (1 + self.error)
 
     def fits(self, card_gib: float) -> bool:
         return self.device_gib <= card_gib
@@ -360,7 +386,7 @@ class Prediction:
     def certainly_over(self, card_gib: float) -> bool:
         """Beyond the card even if the model over-predicts by the most it was seen to."""
         over = self.error if self.error_over is None else self.error_over
-        return self.reserved_gib / (1 + over) + self.context_gib > card_gib
+        return self.needed_gib / (1 + over) + self.context_gib > card_gib
 
 
 def terms(c: dict[str, float], coef: dict[str, float], expandable: bool) -> dict[str, float]:
@@ -398,7 +424,7 @@ class MemoryModel:
         return under, over
 
     def predict(self, s: Setting, batch: Batch) -> Prediction:
-        return Prediction(self.terms(s, batch), self.context_gib, *self.bounds(s))
+        return Prediction(self.terms(s, batch), self.context_gib, *self.bounds(s), expandable=s.expandable_segments)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -40,7 +40,7 @@ class Candidate:
     levers: tuple[str, ...]  # the lever overrides on top of the recipe
     length: int  # its max_seq_length
     cut: float  # the share of answers cut at `length`
-    predicted_gib: float  # predicted peak reserved
+    predicted_gib: float  # the pool it is predicted to need (Prediction.needed_gib)
     bound_gib: float  # the same, if the model under-predicts by its stated error
 
     @property
@@ -116,8 +116,8 @@ def fits_with_margin(prediction: Prediction, budget: float, margin: float) -> bo
 
 
 def under_bound(prediction: Prediction) -> float:
-    """Peak reserved if the model under-predicts by its stated error."""
-    return prediction.reserved_gib * (1 + prediction.error)
+    """The pool the setting needs if the model under-predicts by its stated error."""
+    return prediction.bound_gib
 
 
 def candidates(
@@ -141,8 +141,8 @@ def candidates(
                 continue
             found.append(
                 (
-                    (rank, len(combo), prediction.reserved_gib),
-                    Candidate(combo, length, cut(length), prediction.reserved_gib, under_bound(prediction)),
+                    (rank, len(combo), prediction.needed_gib),
+                    Candidate(combo, length, cut(length), prediction.needed_gib, under_bound(prediction)),
                 )
             )
     return [c for _, c in sorted(found, key=lambda pair: pair[0])]
@@ -177,4 +177,4 @@ def closest(
     prediction = predict([*everything, f"{SEQ}={lengths[0]}"])
     if prediction is None:
         return None
-    return Candidate(everything, lengths[0], cut(lengths[0]), prediction.reserved_gib, under_bound(prediction))
+    return Candidate(everything, lengths[0], cut(lengths[0]), prediction.needed_gib, under_bound(prediction))

@@ -108,12 +108,13 @@ class MemoryGate:
 
     def share_of(self, prediction: Prediction | None) -> float:
         """The card memory (GiB) a trial may take, for the trials that share its card (src/sweep/ledger.py): its
-        predicted peak on the card plus the most the model under-predicts, from a model that may decide, never more
-        than its budget (the card it stands in for, CUDA context included); the budget where no such prediction
-        exists."""
+        predicted peak reserved with its CUDA context (its cache included even under expandable segments: a trial
+        gives its cache back to its own allocations, not to another process's) plus the most the model
+        under-predicts, from a model that may decide, never more than its budget (the card it stands in for, CUDA
+        context included); the budget where no such prediction exists."""
         if prediction is None or not self.decides():
             return self.budget
-        return min(self.budget, prediction.device_gib + prediction.error * prediction.reserved_gib)
+        return min(self.budget, prediction.reserved_gib * (1 + prediction.error) + prediction.context_gib)
 
     def edge_order(self, grid: list[dict[str, Any]], fixed: list[str]) -> list[dict[str, Any]]:
         """Grid points, nearest the budget's edge first (predicted on the card / budget closest to 1)."""
@@ -129,6 +130,6 @@ def predicted_attrs(prediction: Prediction) -> dict[str, float]:
     """What a trial records of its prediction (user attrs and MLflow metrics)."""
     return {
         "predicted_peak_vram_reserved_gib": prediction.reserved_gib,
-        "predicted_peak_vram_device_gib": prediction.device_gib,
+        "predicted_peak_vram_device_gib": prediction.device_gib,  # what the card must hold (needed + context)
         "predicted_error_frac": prediction.error,
     }
