@@ -343,11 +343,10 @@ def transient(s: Setting, c: dict[str, float]) -> dict[str, float]:
 
 @dataclass
 class Prediction:
-    """A setting's predicted peak. `needed_gib` is what decides whether it fits: under expandable segments the peak
-    allocated (the tensors: what the allocator caches beyond them it gives back when the card presses, measured in
-    benchmarks/NOTES.md §12b: every such setting trained on a card of its own peak allocated x 1.05), on the default
-    allocator the peak reserved (there, blocks split by live tensors are memory the setting needs: 11 of 23 OOMed on
-    that card). The errors are the needed figure's."""
+    """A setting's predicted peak. `needed_gib` decides whether it fits: under expandable segments peak allocated (the
+    allocator gives its cache back when the card presses: every such setting trained on a card of its own peak
+    allocated x 1.05, benchmarks/NOTES.md §12b), on the default allocator peak reserved (blocks split by live tensors
+    are memory it needs: 11 of 23 OOMed there). The errors are the needed figure's."""
 
     terms: dict[str, float]  # GiB per named term (peak reserved is their sum)
     context_gib: float
@@ -356,28 +355,23 @@ class Prediction:
     expandable: bool = False  # the allocator's expandable segments (`Setting.expandable_segments`)
 
     @property
-    def reserved_gib(self) -> float:
-        """Peak reserved: the tensors and the allocator's cache, what torch's pool holds unpressed."""
+    def reserved_gib(self) -> float:  # the tensors and the allocator's cache: what torch's pool holds unpressed
         return sum(self.terms.values())
 
     @property
-    def allocated_gib(self) -> float:
-        """Peak allocated: the tensors alone."""
+    def allocated_gib(self) -> float:  # the tensors alone
         return self.reserved_gib - self.terms["allocator_cache"]
 
     @property
-    def needed_gib(self) -> float:
-        """What the pool must be able to hold for the setting to train (see the class)."""
+    def needed_gib(self) -> float:  # what the pool must be able to hold for the setting to train (see the class)
         return self.allocated_gib if self.expandable else self.reserved_gib
 
     @property
-    def device_gib(self) -> float:
-        """What the card must hold: the needed pool and the CUDA context."""
+    def device_gib(self) -> float:  # what the card must hold: the needed pool and the CUDA context
         return self.needed_gib + self.context_gib
 
     @property
-    def bound_gib(self) -> float:
-        """The needed pool if the model under-predicts it by its stated error."""
+    def bound_gib(self) -> float:  # the needed pool if the model under-predicts it by its stated error
         return self.needed_gib * (1 + self.error)
 
     def fits(self, card_gib: float) -> bool:
