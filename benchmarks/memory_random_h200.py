@@ -656,6 +656,18 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
             "predicted_max": max(x["predicted_terms_gib"]["allocator_cache"] for x in judged),
         },
     }
+    check = json.loads(fresh.read_text()).get("built_apart_check") if fresh else None
+    if check and check.get("again"):  # the issue's "the first trial measures the trial", on the card
+        first, again = check["first"], check["again"]
+        summary["first_trial_builds"] = {
+            "rule": "the set's first trial found no model (a fresh machine) and built it in a process of its own; "
+            "the same setting ran again at the end, alone on the card as the first was, finding it built",
+            "built_the_model": first.get("built_the_model"),
+            **{
+                k: {"building": first.get(k), "built": again.get(k)}
+                for k in ("peak_vram_reserved_gib", "peak_vram_allocated_gib")
+            },
+        }
     runs = [*raws, *([json.loads(fresh.read_text())] if fresh else [])]
     out = {
         "gpu": raws[0]["gpu"],  # the calibration's card; the judged settings' card is summary.held_out_gpu
