@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> None:
         todo.sort(key=lambda t: (t[1] / (N_CALIBRATION if t[0] == "calibration" else N_HELD_OUT), t[0]))
     t0 = time.time()
     # The second fresh set's first trial builds the model itself (a fresh machine's empty cache: in a process of its
-    # own, src/models.py prepare_apart) and runs again at the end, finding it built: the two peaks should be equal
+    # own, src/models.py prepare_apart) and runs again at once, finding it built: the two peaks should be equal
     builds_first = (
         args.design == "fresh2" and not (Path(os.environ.get("QLORA_CACHE", "")) / "llama3_8b_synthetic").exists()
     )
@@ -345,15 +345,13 @@ def run(args: argparse.Namespace) -> None:
         rows.append(one(todo[0]))
         log = (root / f"{todo[0][0]}{todo[0][1]}.log").read_text(errors="replace")
         check["first"] = {**rows[0], "built_the_model": "in a process of its own" in log}
+        # the same setting again at once, alone on the card as the first was, the model found built
+        check["again"] = one((f"{todo[0][0]}_again", todo[0][1], todo[0][2]))
         todo = todo[1:]
     with ThreadPoolExecutor(args.slots) as pool:
         for row in pool.map(one, todo):
             rows.append(row)
             (out / f"memory_random_raw{tag}.json").write_text(json.dumps(_raw(rows, t0, args, check), indent=1))
-    if check:  # the same setting again, alone on the card as the first was, the model found built
-        role, i, s = rows[0]["role"], rows[0]["index"], rows[0]["setting"]
-        check["again"] = one((f"{role}_again", i, s))
-        (out / f"memory_random_raw{tag}.json").write_text(json.dumps(_raw(rows, t0, args, check), indent=1))
     print(f"done: {len(rows)} trials in {(time.time() - t0) / 60:.1f} min", flush=True)
 
 
@@ -661,7 +659,7 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
         first, again = check["first"], check["again"]
         summary["first_trial_builds"] = {
             "rule": "the set's first trial found no model (a fresh machine) and built it in a process of its own; "
-            "the same setting ran again at the end, alone on the card as the first was, finding it built",
+            "the same setting ran again right after, alone on the card as the first was, finding it built",
             "built_the_model": first.get("built_the_model"),
             **{
                 k: {"building": first.get(k), "built": again.get(k)}
