@@ -488,7 +488,7 @@ def measured_rows(raw_file: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -> None:
+def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "", seen: str = "") -> None:
     """Fit the model and judge it, the grid-calibrated model and the two outside tools on held-out settings.
 
     Without `fresh`: fitted on the calibration (Sobol) points of `raw_files`, judged on their held-out settings (which
@@ -536,6 +536,7 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
     model = fit(points, stack, group=lambda p: p.label)  # a setting left out under both allocators at once
     files = [_shown(f) for f in raw_files] + ([f"--fresh {_shown(fresh)}"] if fresh else [])
     command = "python -m benchmarks.memory_random_h200 summarize " + " ".join(files) + (f" --tag {tag}" if tag else "")
+    command += f" --seen {json.dumps(seen)}" if seen else ""
     model_file.write_text(json.dumps(model.to_dict() | {"command": command}, indent=2))
     old = MemoryModel.load(OLD_MODEL)
     settings, fit_but_oom, said_fits_but_oom = [], [], []
@@ -588,8 +589,10 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "") -
     judged = [x for x in settings if x["measured_peak_vram_reserved_gib"]]
     summary = {
         "design": _design_words(raw_files, judged_design if fresh else None),
-        "independent": fresh is not None,
-        "independence": "the fresh set: drawn after the model's terms were chosen, never seen by any choice of the "
+        "independent": fresh is not None and not seen,
+        "independence": f"NOT independent: {seen}"
+        if seen
+        else "the fresh set: drawn after the model's terms were chosen, never seen by any choice of the "
         "model nor by its fit"
         if fresh
         else "NOT independent: these held-out settings were looked at while the model's terms were chosen; the final "
@@ -745,6 +748,7 @@ def main() -> None:
     s.add_argument("raw", type=Path, nargs="+", help="the first design's raw files (default allocator, expandable)")
     s.add_argument("--fresh", type=Path, default=None, help="the fresh set's raw file: judged on it alone")
     s.add_argument("--tag", default="", help="suffix of the result files' names")
+    s.add_argument("--seen", default="", help="how the judged set was seen before (a re-judgement): not independent")
     pr = sub.add_parser("pressed")
     pr.add_argument("raw", type=Path, help="the pressed run's raw file (memory_random_raw_pressed.json)")
     args = p.parse_args()
@@ -755,7 +759,7 @@ def main() -> None:
     elif args.what == "pressed":
         pressed(args.raw)
     else:
-        summarize(args.raw, args.fresh, args.tag)
+        summarize(args.raw, args.fresh, args.tag, args.seen)
 
 
 if __name__ == "__main__":
