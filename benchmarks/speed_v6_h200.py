@@ -58,7 +58,9 @@ RESULT = "speed_v6_h200.json"
 STEP_LINE = re.compile(r"step (\d+): (\{.*\})\s*$")  # src/measure/progress.py's per-step log line
 BUDGET_GIB = 24.0
 MODEL = "llama3_8b_synthetic"
-BASE = ["data=clinical_notes", f"hardware.vram_budget_gib={BUDGET_GIB:g}"]
+# The default allocator: the user's recipe as a plain script runs it, and every arm as measured so far (expandable
+# segments, the default since 0.10, came after these figures)
+BASE = ["data=clinical_notes", f"hardware.vram_budget_gib={BUDGET_GIB:g}", "hardware.expandable_segments=false"]
 # The long notes reach 4024 tokens: nothing is cut at 4096; the recipe's 1024 cuts 13% of the answers (measured, said).
 PROBE = ["preflight.max_truncated_answer_frac=1.0"]
 # README's speed table, last row: the fastest stable setting measured so far (10,293 tokens/s, 15.76 GiB).
