@@ -7,11 +7,7 @@
 #   then here:  copy <files_at>/recipe_*.json to benchmarks/results/recipe_allocator_<card>/
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .whl ] && ! python3 -c "import trl, optuna, bitsandbytes, hydra" 2>/dev/null; then  # the stack, as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-  export PYTHONPATH=/tmp/site
-fi
-export QLORA_ROOT=${QLORA_ROOT:-/tmp/qlora} QLORA_CACHE=${QLORA_CACHE:-/tmp/qlora-cache} PYTHONUNBUFFERED=1 USE_JAX=0 USE_TF=0
+source benchmarks/gpu_stack.sh  # the stack as wheels, QLORA_ROOT, QLORA_CACHE
 OUT=${OUT:-$QLORA_ROOT/out}
 mkdir -p "$OUT"
 python3 -m src.models model=llama3_8b_synthetic || exit 4

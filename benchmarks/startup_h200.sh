@@ -6,11 +6,7 @@
 #   device run: bash benchmarks/startup_h200.sh      (carry .whl; see benchmarks/gpu_wheels.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .whl ] && ! python3 -c "import trl, optuna, bitsandbytes, hydra" 2>/dev/null; then  # the stack, as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-  export PYTHONPATH=/tmp/site
-fi
-export QLORA_ROOT=${QLORA_ROOT:-/tmp/qlora} QLORA_CACHE=${QLORA_CACHE:-/tmp/qlora-cache} PYTHONUNBUFFERED=1 USE_JAX=0 USE_TF=0
+source benchmarks/gpu_stack.sh  # the stack as wheels, QLORA_ROOT, QLORA_CACHE
 MODEL=${MODEL:-llama3_8b_synthetic}
 OUT_JSON=${OUT_JSON:-benchmarks/results/startup_contention_h200.json}
 python3 -m src.models model=$MODEL || exit 4
