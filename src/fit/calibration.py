@@ -274,7 +274,7 @@ def fit(
             held = MemoryModel(solve([points[i] for i in rest], [table[i] for i in rest]))
             ratios.append(ratio(held, p))
         model.error, model.error_over = bounds(ratios)
-        for name in {allocator(p.setting) for p in points}:
+        for name in sorted({allocator(p.setting) for p in points}):  # the same order every run (the file it writes)
             mine = [r for r, p in zip(ratios, points, strict=True) if allocator(p.setting) == name]
             if len(mine) >= 3:
                 model.errors[name] = list(bounds(mine))
