@@ -275,9 +275,11 @@ def run(args: argparse.Namespace) -> None:
     t0 = time.time()
     # The second fresh set's first trial builds the model itself (a fresh machine's empty cache: in a process of its
     # own, src/models.py prepare_apart) and runs again at once, finding it built: the two peaks should be equal
-    builds_first = (
-        args.design == "fresh2" and not (Path(os.environ.get("QLORA_CACHE", "")) / "llama3_8b_synthetic").exists()
-    )
+    from src.config import compose
+    from src.models import prepared
+
+    base = compose(BASE)
+    builds_first = args.design == "fresh2" and not prepared(base.model, base.paths.cache_dir)  # the trial's own test
     if not builds_first:
         build = _sh([sys.executable, "-m", "src.models", *BASE], root / "build.log")
         print(f"model built: rc={build} in {time.time() - t0:.0f}s", flush=True)
@@ -503,7 +505,7 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "", s
 
     outfile = RESULTS / f"memory_model_random{tag}_h200.json"
     model_file = RESULTS / f"memory_model_random{tag}_calibration_h200.json"
-    judged_design = DESIGN
+    judged_design, judged_raw = DESIGN, None
     if fresh is not None:
         judged_raw = json.loads(fresh.read_text())
         judged_name = judged_raw.get("design") or "fresh"
@@ -640,7 +642,7 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "", s
         },
         "fitcheck_llm": stats(errors["fitcheck_llm"]),
         "accelerate_estimate_memory": stats(errors["accelerate_estimate_memory"]),
-        "held_out_gpu": (json.loads(fresh.read_text()) if fresh else raws[0])["gpu"],
+        "held_out_gpu": (judged_raw or raws[0])["gpu"],
         # the two parts of the prediction judged apart: the tensors (peak allocated) and the allocator's cache
         "peak_reserved": stats(
             [x["reserved_error_pct"] for x in judged],
@@ -657,7 +659,7 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "", s
             "predicted_max": max(x["predicted_terms_gib"]["allocator_cache"] for x in judged),
         },
     }
-    check = json.loads(fresh.read_text()).get("built_apart_check") if fresh else None
+    check = judged_raw.get("built_apart_check") if judged_raw else None
     if check and check.get("again"):  # the issue's "the first trial measures the trial", on the card
         first, again = check["first"], check["again"]
         summary["first_trial_builds"] = {
@@ -669,7 +671,7 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "", s
                 for k in ("peak_vram_reserved_gib", "peak_vram_allocated_gib")
             },
         }
-    runs = [*raws, *([json.loads(fresh.read_text())] if fresh else [])]
+    runs = [*raws, *([judged_raw] if judged_raw else [])]
     out = {
         "gpu": raws[0]["gpu"],  # the calibration's card; the judged settings' card is summary.held_out_gpu
         "versions": raws[0]["versions"],
