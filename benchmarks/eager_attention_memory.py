@@ -1,0 +1,129 @@
+"""Bytes per attention score that transformers' eager attention holds at its peak, forward and backward, on the GPU.
+
+The memory model (src/fit/model.py) counts eager attention as 6 bytes a score kept for the backward (the fp32
+softmax and the bf16 probabilities) plus 6 in one layer's backward. The random sets under-predict eager attention
+under checkpointing on long rows by ~2.3 bytes a score (benchmarks/NOTES.md §12, §17), and not on short ones. This
+measures one Llama-3-8B attention block (`LlamaAttention`, eager, bf16, the stack's own code) alone: peak allocated
+during forward + backward beyond what was allocated before, divided by the scores (heads x batch x length²), at
+lengths across the range, with and without non-reentrant checkpointing, plus the softmax alone.
+    device (carry .whl):  bash benchmarks/eager_attention_memory.sh
+    -> $OUT/eager_attention_memory.json (copy to benchmarks/results/eager_attention_memory_<card>.json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+LENGTHS = (512, 1024, 1025, 1536, 2048, 2049, 2560, 3072, 4096)
+BATCHES = (1, 2)
+GIB = 1024**3
+
+
+def block(device: str) -> tuple[Any, Any]:
+    """Llama-3-8B's attention with eager attention in bf16, and its rotary embedding."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        num_hidden_layers=1, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    attn = LlamaAttention(cfg, layer_idx=0).to(device=device, dtype=torch.bfloat16)
+    for p in attn.parameters():
+        p.requires_grad_(False)  # frozen, as the 4-bit base is: only the input's gradient flows
+    return attn, LlamaRotaryEmbedding(cfg).to(device)
+
+
+def measure(attn: Any, rope: Any, batch: int, length: int, checkpointed: bool, device: str) -> dict[str, float]:
+    x = torch.randn(batch, length, 4096, device=device, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(length, device=device).unsqueeze(0).expand(batch, -1)
+    cos_sin = rope(x, pos)
+    mask = torch.full((length, length), float("-inf"), device=device).triu(1)
+    mask = mask.to(torch.bfloat16)[None, None].expand(batch, 1, length, length)
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        return attn(h, position_embeddings=cos_sin, attention_mask=mask)[0]
+
+    scores = 32 * batch * length * length
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    out = checkpoint(run, x, use_reentrant=False) if checkpointed else run(x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        forward_peak = torch.cuda.max_memory_allocated() - before
+        kept = torch.cuda.memory_allocated() - before
+        torch.cuda.reset_peak_memory_stats()
+    out.backward(torch.ones_like(out))
+    row: dict[str, float] = {"batch": batch, "length": length, "checkpointed": checkpointed, "scores": scores}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        backward_peak = torch.cuda.max_memory_allocated() - before
+        row |= {
+            "forward_peak_bytes_per_score": forward_peak / scores,
+            "kept_bytes_per_score": kept / scores,
+            "backward_peak_bytes_per_score": backward_peak / scores,
+            "backward_peak_gib": backward_peak / GIB,
+        }
+    del out, x, mask, cos_sin
+    return row
+
+
+def softmax_alone(batch: int, length: int, device: str) -> dict[str, float]:
+    """transformers' eager softmax step alone: softmax(dtype=float32).to(bf16), forward and backward."""
+    s = torch.randn(batch, 32, length, length, device=device, dtype=torch.bfloat16, requires_grad=True)
+    scores = s.numel()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    p = torch.nn.functional.softmax(s, dim=-1, dtype=torch.float32).to(torch.bfloat16)
+    p.backward(torch.ones_like(p))
+    row: dict[str, float] = {"batch": batch, "length": length, "scores": scores}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        row["peak_bytes_per_score_beyond_input"] = (torch.cuda.max_memory_allocated() - before) / scores
+    del s, p
+    return row
+
+
+def main() -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lengths = LENGTHS if device == "cuda" else (64, 96)
+    attn, rope = block(device)
+    rows, soft = [], []
+    for batch in BATCHES:
+        for length in lengths:
+            for checkpointed in (False, True):
+                rows.append(measure(attn, rope, batch, length, checkpointed, device))
+                print(json.dumps(rows[-1]), flush=True)
+            soft.append(softmax_alone(batch, length, device))
+            print(json.dumps(soft[-1]), flush=True)
+    import transformers
+
+    result = {
+        "command": "bash benchmarks/eager_attention_memory.sh",
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "rule": "peak allocated beyond what was allocated before the block's forward (its input, mask and rotary "
+        "tables included in `before`), per attention score (32 heads x batch x length^2); frozen weights, the "
+        "input's gradient flows; the backward's peak is measured from the forward's end",
+        "attention": rows,
+        "softmax_alone": soft,
+    }
+    out = Path(os.environ.get("OUT", ".")) / "eager_attention_memory.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
