@@ -499,10 +499,17 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "", s
     model saw. Either way the model's stated errors come before the judgement: each fitted setting predicted by a fit
     that left it out (under either allocator), the largest under- and over-prediction, per allocator. Writes
     memory_model_random<tag>_h200.json and the fitted model, memory_model_random<tag>_calibration_h200.json."""
+    import importlib.util
+
     from benchmarks.memory_h200 import comparisons
     from src.fit.calibration import fit
     from src.fit.model import MemoryModel, Point, allocator, peak_batch
 
+    if importlib.util.find_spec("fitcheck") is None:  # its errors would be written as nulls into the issue's file
+        raise SystemExit(
+            "summarize sets the model beside fitcheck-llm's estimator, which is not installed here: "
+            "pip install -e '.[bench]' (nothing was written)"
+        )
     outfile = RESULTS / f"memory_model_random{tag}_h200.json"
     model_file = RESULTS / f"memory_model_random{tag}_calibration_h200.json"
     judged_design, judged_raw = DESIGN, None
