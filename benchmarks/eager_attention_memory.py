@@ -42,6 +42,20 @@ def block(device: str) -> tuple[Any, Any]:
     return attn, LlamaRotaryEmbedding(cfg).to(device)
 
 
+def _mark(device: str) -> int | None:
+    """Peak counting restarted; what is allocated now (None off CUDA: nothing is measured there)."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _peak_since(before: int) -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def measure(attn: Any, rope: Any, batch: int, length: int, checkpointed: bool, device: str) -> dict[str, float]:
     x = torch.randn(batch, length, 4096, device=device, dtype=torch.bfloat16, requires_grad=True)
     pos = torch.arange(length, device=device).unsqueeze(0).expand(batch, -1)
@@ -53,21 +67,16 @@ def measure(attn: Any, rope: Any, batch: int, length: int, checkpointed: bool, d
         return attn(h, position_embeddings=cos_sin, attention_mask=mask)[0]
 
     scores = 32 * batch * length * length
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+    before = _mark(device)
     out = checkpoint(run, x, use_reentrant=False) if checkpointed else run(x)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        forward_peak = torch.cuda.max_memory_allocated() - before
+    if before is not None:
+        forward_peak = _peak_since(before)
         kept = torch.cuda.memory_allocated() - before
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()  # the backward's peak, still counted from `before`
     out.backward(torch.ones_like(out))
     row: dict[str, float] = {"batch": batch, "length": length, "checkpointed": checkpointed, "scores": scores}
-    if device == "cuda":
-        torch.cuda.synchronize()
-        backward_peak = torch.cuda.max_memory_allocated() - before
+    if before is not None:
+        backward_peak = _peak_since(before)
         row |= {
             "forward_peak_bytes_per_score": forward_peak / scores,
             "kept_bytes_per_score": kept / scores,
@@ -82,16 +91,12 @@ def softmax_alone(batch: int, length: int, device: str) -> dict[str, float]:
     """transformers' eager softmax step alone: softmax(dtype=float32).to(bf16), forward and backward."""
     s = torch.randn(batch, 32, length, length, device=device, dtype=torch.bfloat16, requires_grad=True)
     scores = s.numel()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+    before = _mark(device)
     p = torch.nn.functional.softmax(s, dim=-1, dtype=torch.float32).to(torch.bfloat16)
     p.backward(torch.ones_like(p))
     row: dict[str, float] = {"batch": batch, "length": length, "scores": scores}
-    if device == "cuda":
-        torch.cuda.synchronize()
-        row["peak_bytes_per_score_beyond_input"] = (torch.cuda.max_memory_allocated() - before) / scores
+    if before is not None:
+        row["peak_bytes_per_score_beyond_input"] = _peak_since(before) / scores
     del s, p
     return row
 
