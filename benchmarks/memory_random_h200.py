@@ -67,7 +67,11 @@ FRESH_RAW = RESULTS / "memory_model_random_raw_fresh_h100.json"  # the fresh set
 FRESH2_DESIGN = RESULTS / "memory_model_random_fresh2_design.json"
 FRESH2_SEED = 20261207
 N_FRESH2 = 64  # launched: ~1/5 OOM at the cap, so >= 40 measured; ~6-7 minutes at 3 trials at once on an H100
-JUDGED_DESIGNS = {"fresh": FRESH_DESIGN, "fresh2": FRESH2_DESIGN}
+# The third: drawn after the model gained the long-row eager term (NOTES §17a, eager_attention_memory), none equal to a
+# setting of the three sets before; judged by a model fitted to all of them
+FRESH3_DESIGN = RESULTS / "memory_model_random_fresh3_design.json"
+FRESH3_SEED = 20261208
+JUDGED_DESIGNS = {"fresh": FRESH_DESIGN, "fresh2": FRESH2_DESIGN, "fresh3": FRESH3_DESIGN}
 PRESS = 0.05  # the pressed run's cap: each setting's own peak allocated + 5% (+ its CUDA context)
 
 
@@ -232,23 +236,38 @@ def design_fresh2() -> None:
     """The second fresh set: the product's allocator (expandable segments, conf/hardware's default since the pressed
     run), drawn with a fourth seed after that decision and after the model was changed to decide on peak allocated
     there; none of it equal to any setting of the first design or the first fresh set."""
-    seen = measured_before(FRESH_DESIGN)
-    held, not_launched = draw_fresh(seen, N_FRESH2, FRESH2_SEED, certain_oom(), {EXPANDABLE: True})
+    design_on_expandable(
+        "fresh2", FRESH2_SEED, "second", "the model's terms and its decision rule were chosen", FRESH_DESIGN
+    )
+
+
+def design_fresh3() -> None:
+    """The third fresh set: as the second, with a fifth seed, drawn after the model gained its long-row eager term;
+    none of it equal to any setting of the three sets before."""
+    design_on_expandable(
+        "fresh3", FRESH3_SEED, "third", "the model's long-row eager term was chosen", FRESH_DESIGN, FRESH2_DESIGN
+    )
+
+
+def design_on_expandable(name: str, seed: int, ordinal: str, after: str, *before: Path) -> None:
+    """A fresh random set of N_FRESH2 settings on the product's allocator, none equal to a setting of the first design
+    or of `before`, written to JUDGED_DESIGNS[name]."""
+    held, not_launched = draw_fresh(measured_before(*before), N_FRESH2, seed, certain_oom(), {EXPANDABLE: True})
+    names = ", ".join(p.name for p in (DESIGN, *before))
     out = {
-        "design": f"second fresh held-out: uniform random draws (numpy default_rng({FRESH2_SEED}), the first design's "
+        "design": f"{ordinal} fresh held-out: uniform random draws (numpy default_rng({seed}), the first design's "
         "9 knobs) from the same space on the product's allocator (hardware.expandable_segments=true, the default), "
-        f"none equal to any setting measured before ({DESIGN.name}, {FRESH_DESIGN.name}: calibration, held-out or not "
-        "launched, under either allocator); drawn after the model's terms and its decision rule were chosen, so no "
-        "choice of the model saw them",
+        f"none equal to any setting measured before ({names}: calibration, held-out or not launched, under either "
+        f"allocator); drawn after {after}, so no choice of the model saw them",
         "space": setting_from_unit.__doc__,
         "certain_oom_rule": f"not launched when the grid-calibrated model ({OLD_MODEL.name}) predicts a peak reserved "
         f"> {CERTAIN_OOM}x the {BUDGET:g} GiB card",
         "held_out": held,
         "held_out_not_launched": not_launched,
-        "command": "python -m benchmarks.memory_random_h200 design --fresh2",
+        "command": f"python -m benchmarks.memory_random_h200 design --{name}",
     }
-    FRESH2_DESIGN.write_text(json.dumps(out, indent=1))
-    print(f"{FRESH2_DESIGN}: {len(held)} fresh held-out, {len(not_launched)} not launched")
+    JUDGED_DESIGNS[name].write_text(json.dumps(out, indent=1))
+    print(f"{JUDGED_DESIGNS[name]}: {len(held)} fresh held-out, {len(not_launched)} not launched")
 
 
 # ---- run (on the GPU) --------------------------------------------------------------------------------------------
@@ -279,7 +298,9 @@ def run(args: argparse.Namespace) -> None:
     from src.models import prepared
 
     base = compose(BASE)
-    builds_first = args.design == "fresh2" and not prepared(base.model, base.paths.cache_dir)  # the trial's own test
+    builds_first = args.design in ("fresh2", "fresh3") and not prepared(
+        base.model, base.paths.cache_dir
+    )  # the trial's own test
     if not builds_first:
         build = _sh([sys.executable, "-m", "src.models", *BASE], root / "build.log")
         print(f"model built: rc={build} in {time.time() - t0:.0f}s", flush=True)
@@ -714,8 +735,13 @@ def _design_words(raw_files: list[Path], judged: Path | None) -> str:
         return first + "; measured once per allocator (default; expandable segments)"
     fitted = "every setting of the first design, measured once per allocator (" + first + ")"
     designs = {json.loads(f.read_text()).get("design") for f in raw_files}
-    if "fresh" in designs:
-        fitted += "; and every setting of the first fresh set (" + json.loads(FRESH_DESIGN.read_text())["design"] + ")"
+    for name, ordinal in (("fresh", "first"), ("fresh2", "second")):
+        if name in designs:
+            fitted += (
+                f"; and every setting of the {ordinal} fresh set ("
+                + json.loads(JUDGED_DESIGNS[name].read_text())["design"]
+                + ")"
+            )
     return "calibration: " + fitted + "; judged on: " + json.loads(judged.read_text())["design"]
 
 
@@ -745,7 +771,7 @@ def main() -> None:
     r.add_argument("--tag", default=None, help="suffix of the raw file's name (memory_random_raw<tag>.json)")
     r.add_argument(
         "--design",
-        choices=("first", "fresh", "fresh2", "pressed"),
+        choices=("first", "fresh", "fresh2", "fresh3", "pressed"),
         default="first",
         help="fresh: the final judgement's set; pressed: the fresh set on cards cut to its peak allocated",
     )
@@ -753,6 +779,7 @@ def main() -> None:
     d = sub.add_parser("design")
     d.add_argument("--fresh", action="store_true", help="the first fresh random set")
     d.add_argument("--fresh2", action="store_true", help="the second fresh random set, on expandable segments")
+    d.add_argument("--fresh3", action="store_true", help="the third fresh random set, on expandable segments")
     s = sub.add_parser("summarize")
     s.add_argument("raw", type=Path, nargs="+", help="the first design's raw files (default allocator, expandable)")
     s.add_argument("--fresh", type=Path, default=None, help="the fresh set's raw file: judged on it alone")
@@ -762,7 +789,7 @@ def main() -> None:
     pr.add_argument("raw", type=Path, help="the pressed run's raw file (memory_random_raw_pressed.json)")
     args = p.parse_args()
     if args.what == "design":
-        design_fresh2() if args.fresh2 else design_fresh() if args.fresh else design()
+        design_fresh3() if args.fresh3 else design_fresh2() if args.fresh2 else design_fresh() if args.fresh else design()
     elif args.what == "run":
         run(args)
     elif args.what == "pressed":
