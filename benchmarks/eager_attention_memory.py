@@ -5,7 +5,9 @@ softmax and the bf16 probabilities) plus 6 in one layer's backward. The random s
 under checkpointing on long rows by ~2.3 bytes a score (benchmarks/NOTES.md §12, §17), and not on short ones. This
 measures one Llama-3-8B attention block (`LlamaAttention`, eager, bf16, the stack's own code) alone: peak allocated
 during forward + backward beyond what was allocated before, divided by the scores (heads x batch x length²), at
-lengths across the range, with and without non-reentrant checkpointing, plus the softmax alone.
+lengths across the range, with and without non-reentrant checkpointing, under bf16 autocast as the trainer runs it,
+with the residual stream (the block's input, the mask, the rotary tables) in bf16 or, as peft's upcast of the
+non-quantized weights leaves it, fp32; plus the softmax alone.
     device (carry .whl):  bash benchmarks/eager_attention_memory.sh
     -> $OUT/eager_attention_memory.json (copy to benchmarks/results/eager_attention_memory_<card>.json)
 """
@@ -56,15 +58,18 @@ def _peak_since(before: int) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def measure(attn: Any, rope: Any, batch: int, length: int, checkpointed: bool, device: str) -> dict[str, float]:
-    x = torch.randn(batch, length, 4096, device=device, dtype=torch.bfloat16, requires_grad=True)
+def measure(
+    attn: Any, rope: Any, batch: int, length: int, checkpointed: bool, rest: torch.dtype, device: str
+) -> dict[str, Any]:
+    x = torch.randn(batch, length, 4096, device=device, dtype=rest, requires_grad=True)
     pos = torch.arange(length, device=device).unsqueeze(0).expand(batch, -1)
-    cos_sin = rope(x, pos)
+    cos_sin = rope(x, pos)  # in the residual's dtype, as the model makes them
     mask = torch.full((length, length), float("-inf"), device=device).triu(1)
-    mask = mask.to(torch.bfloat16)[None, None].expand(batch, 1, length, length)
+    mask = mask.to(rest)[None, None].expand(batch, 1, length, length)
 
     def run(h: torch.Tensor) -> torch.Tensor:
-        return attn(h, position_embeddings=cos_sin, attention_mask=mask)[0]
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return attn(h, position_embeddings=cos_sin, attention_mask=mask)[0]
 
     scores = 32 * batch * length * length
     before = _mark(device)
@@ -74,7 +79,10 @@ def measure(attn: Any, rope: Any, batch: int, length: int, checkpointed: bool, d
         kept = torch.cuda.memory_allocated() - before
         torch.cuda.reset_peak_memory_stats()  # the backward's peak, still counted from `before`
     out.backward(torch.ones_like(out))
-    row: dict[str, float] = {"batch": batch, "length": length, "checkpointed": checkpointed, "scores": scores}
+    row: dict[str, Any] = {
+        "batch": batch, "length": length, "checkpointed": checkpointed, "rest": str(rest).removeprefix("torch."),
+        "scores": scores,
+    }  # fmt: skip
     if before is not None:
         backward_peak = _peak_since(before)
         row |= {
@@ -108,9 +116,10 @@ def main() -> None:
     rows, soft = [], []
     for batch in BATCHES:
         for length in lengths:
-            for checkpointed in (False, True):
-                rows.append(measure(attn, rope, batch, length, checkpointed, device))
-                print(json.dumps(rows[-1]), flush=True)
+            for rest in (torch.bfloat16, torch.float32):
+                for checkpointed in (False, True):
+                    rows.append(measure(attn, rope, batch, length, checkpointed, rest, device))
+                    print(json.dumps(rows[-1]), flush=True)
             soft.append(softmax_alone(batch, length, device))
             print(json.dumps(soft[-1]), flush=True)
     import transformers
@@ -120,8 +129,9 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "rule": "peak allocated beyond what was allocated before the block's forward (its input, mask and rotary "
-        "tables included in `before`), per attention score (32 heads x batch x length^2); frozen weights, the "
-        "input's gradient flows; the backward's peak is measured from the forward's end",
+        "tables included in `before`), per attention score (32 heads x batch x length^2); frozen bf16 weights, the "
+        "input's gradient flows, bf16 autocast; `rest`: the dtype of the input, mask and rotary tables; the "
+        "backward's peak is measured from the forward's end",
         "attention": rows,
         "softmax_alone": soft,
     }
