@@ -67,8 +67,8 @@ FRESH_RAW = RESULTS / "memory_model_random_raw_fresh_h100.json"  # the fresh set
 FRESH2_DESIGN = RESULTS / "memory_model_random_fresh2_design.json"
 FRESH2_SEED = 20261207
 N_FRESH2 = 64  # launched: ~1/5 OOM at the cap, so >= 40 measured; ~6-7 minutes at 3 trials at once on an H100
-# The third: drawn after the model gained the long-row eager term (NOTES §17a, eager_attention_memory), none equal to a
-# setting of the three sets before; judged by a model fitted to all of them
+# The third: none equal to a setting of the three sets before, measured blind beside the eager attention block (NOTES
+# §17a), judged by a model fitted to all three sets before
 FRESH3_DESIGN = RESULTS / "memory_model_random_fresh3_design.json"
 FRESH3_SEED = 20261208
 JUDGED_DESIGNS = {"fresh": FRESH_DESIGN, "fresh2": FRESH2_DESIGN, "fresh3": FRESH3_DESIGN}
@@ -242,10 +242,17 @@ def design_fresh2() -> None:
 
 
 def design_fresh3() -> None:
-    """The third fresh set: as the second, with a fifth seed, drawn after the model gained its long-row eager term;
-    none of it equal to any setting of the three sets before."""
+    """The third fresh set: as the second, with a fifth seed; none of it equal to any setting of the three sets before.
+    Measured blind: in the device call that measured the eager attention block (before the model's term for it was
+    chosen), its raw file kept unread until that term was committed."""
     design_on_expandable(
-        "fresh3", FRESH3_SEED, "third", "the model's long-row eager term was chosen", FRESH_DESIGN, FRESH2_DESIGN
+        "fresh3",
+        FRESH3_SEED,
+        "third",
+        "the second set was judged, and measured blind (its raw file unread until the model's eager-attention term, "
+        "chosen from benchmarks/results/eager_attention_memory_*.json and the sets before, was committed)",
+        FRESH_DESIGN,
+        FRESH2_DESIGN,
     )
 
 
