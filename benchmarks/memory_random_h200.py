@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> None:
     out = Path(os.environ.get("OUT") or root)
     budgets: dict[int, float] = {}
     if args.design in JUDGED_DESIGNS:  # a judgement's set alone
-        held = json.loads(JUDGED_DESIGNS[args.design].read_text())["held_out"]
+        held = json.loads(JUDGED_DESIGNS[args.design].read_text())["held_out"][: args.first]  # a prefix: still random
         todo = [(args.design, i, s) for i, s in enumerate(held)]
     elif args.design == "pressed":  # the fresh set's trained settings, each on a card cut to its own allocated peak
         todo, budgets = pressed_design(args.press)
@@ -782,6 +782,7 @@ def main() -> None:
         default="first",
         help="fresh: the final judgement's set; pressed: the fresh set on cards cut to its peak allocated",
     )
+    r.add_argument("--first", type=int, default=None, help="a judged set's first N settings only (device time)")
     r.add_argument("--press", type=float, default=PRESS, help="pressed: the cap's share above peak allocated")
     d = sub.add_parser("design")
     d.add_argument("--fresh", action="store_true", help="the first fresh random set")
