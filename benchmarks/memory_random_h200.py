@@ -67,8 +67,8 @@ FRESH_RAW = RESULTS / "memory_model_random_raw_fresh_h100.json"  # the fresh set
 FRESH2_DESIGN = RESULTS / "memory_model_random_fresh2_design.json"
 FRESH2_SEED = 20261207
 N_FRESH2 = 64  # launched: ~1/5 OOM at the cap, so >= 40 measured; ~6-7 minutes at 3 trials at once on an H100
-# The third: none equal to a setting of the three sets before, measured blind beside the eager attention block (NOTES
-# §17a), judged by a model fitted to all three sets before
+# The third: none equal to a setting of the three sets before, measured after the two-phase model (NOTES §17b) was
+# committed, judging it fitted to all three sets before
 FRESH3_DESIGN = RESULTS / "memory_model_random_fresh3_design.json"
 FRESH3_SEED = 20261208
 JUDGED_DESIGNS = {"fresh": FRESH_DESIGN, "fresh2": FRESH2_DESIGN, "fresh3": FRESH3_DESIGN}
@@ -243,14 +243,13 @@ def design_fresh2() -> None:
 
 def design_fresh3() -> None:
     """The third fresh set: as the second, with a fifth seed; none of it equal to any setting of the three sets before.
-    Measured blind: in the device call that measured the eager attention block (before the model's term for it was
-    chosen), its raw file kept unread until that term was committed."""
+    Drawn before the model's two-phase layer backward (0.10.2) was chosen, measured only after it was committed."""
     design_on_expandable(
         "fresh3",
         FRESH3_SEED,
         "third",
-        "the second set was judged, and measured blind (its raw file unread until the model's eager-attention term, "
-        "chosen from benchmarks/results/eager_attention_memory_*.json and the sets before, was committed)",
+        "the second set was judged, and measured only after the model's two-phase layer backward (0.10.2) was "
+        "committed",
         FRESH_DESIGN,
         FRESH2_DESIGN,
     )
@@ -518,7 +517,9 @@ def measured_rows(raw_file: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "", seen: str = "") -> None:
+def summarize(
+    raw_files: list[Path], fresh: Path | None = None, tag: str = "", seen: str = "", form: str = "phases"
+) -> None:
     """Fit the model and judge it, the grid-calibrated model and the two outside tools on held-out settings.
 
     Without `fresh`: fitted on the calibration (Sobol) points of `raw_files`, judged on their held-out settings (which
@@ -570,10 +571,13 @@ def summarize(raw_files: list[Path], fresh: Path | None = None, tag: str = "", s
         if r["status"] == "ok"
     ]
     stack = {f"version.{k}": v for k, v in raws[0]["versions"].items()} | {"gpu.name": raws[0]["gpu"]}
-    model = fit(points, stack, group=lambda p: p.label)  # a setting left out under both allocators at once
+    # a setting left out under both allocators at once; `form`: a layer's backward in two phases, or (before 0.10.2)
+    # every term added
+    model = fit(points, stack, group=lambda p: p.label, phases=form == "phases")
     files = [_shown(f) for f in raw_files] + ([f"--fresh {_shown(fresh)}"] if fresh else [])
     command = "python -m benchmarks.memory_random_h200 summarize " + " ".join(files) + (f" --tag {tag}" if tag else "")
     command += f" --seen {json.dumps(seen)}" if seen else ""
+    command += f" --form {form}" if form != "phases" else ""
     model_file.write_text(json.dumps(model.to_dict() | {"command": command}, indent=2))
     old = MemoryModel.load(OLD_MODEL)
     settings, fit_but_oom, said_fits_but_oom = [], [], []
@@ -793,6 +797,12 @@ def main() -> None:
     s.add_argument("--fresh", type=Path, default=None, help="the fresh set's raw file: judged on it alone")
     s.add_argument("--tag", default="", help="suffix of the result files' names")
     s.add_argument("--seen", default="", help="how the judged set was seen before (a re-judgement): not independent")
+    s.add_argument(
+        "--form",
+        choices=("phases", "sum"),
+        default="phases",
+        help="the model's form: a layer's backward in two phases (0.10.2 on), or every term added (before)",
+    )
     pr = sub.add_parser("pressed")
     pr.add_argument("raw", type=Path, help="the pressed run's raw file (memory_random_raw_pressed.json)")
     args = p.parse_args()
@@ -803,7 +813,7 @@ def main() -> None:
     elif args.what == "pressed":
         pressed(args.raw)
     else:
-        summarize(args.raw, args.fresh, args.tag, args.seen)
+        summarize(args.raw, args.fresh, args.tag, args.seen, args.form)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,43 @@ def test_a_fit_reproduces_its_points_and_the_ones_it_did_not_see() -> None:
     assert MemoryModel.from_dict(json.loads(json.dumps(fitted.to_dict()))).coefficients == fitted.coefficients
 
 
+def test_a_layers_backward_peaks_in_its_mlp_or_in_its_attention_phase() -> None:
+    """Eager attention's gradients count only beyond the MLP's half of a layer's activations (freed before them): a
+    short row's peak is its MLP's backward, a long row's its attention's; the sum form (model files before 0.10.2)
+    adds both. A fit finds each point's phase and recovers the coefficients a sum cannot."""
+    model = MemoryModel()
+    for seq, beyond in ((512, False), (4096, True)):
+        s = Setting(LLAMA3_8B, seq, checkpointing=True, attention="eager", upcast_non_quantized=False)
+        b = peak_batch(None, s)
+        c = counts(s, b)
+        excess = model.terms(s, b)["attention_backward"]
+        assert (excess > 0) is beyond
+        assert excess == pytest.approx(max(0.0, c["attention_backward"] - c["mlp_activations"]))
+        assert MemoryModel(phases=False).terms(s, b)["attention_backward"] == pytest.approx(c["attention_backward"])
+    sdpa = Setting(LLAMA3_8B, 4096, checkpointing=True, attention="sdpa")
+    assert model.terms(sdpa, peak_batch(None, sdpa))["attention_backward"] == 0.0
+    old = {k: v for k, v in model.to_dict().items() if k != "phases"}  # a file written before the key
+    assert MemoryModel.from_dict(old).phases is False and MemoryModel.from_dict(model.to_dict()).phases is True
+
+    truth = MemoryModel(coefficients={**DEFAULTS, "attention_backward": 1.3, "activations": 0.9})
+    points = []
+    for s in _settings():
+        t = s.with_knobs(expandable_segments=True)
+        b = peak_batch(LENGTHS, t)
+        terms = truth.terms(t, b)
+        points.append(Point(t, b, sum(terms.values()), allocated_gib=sum(terms.values()) - terms["allocator_cache"]))
+    eager = [p for p in points if p.setting.attention == "eager"]
+    assert {truth.terms(p.setting, p.batch)["attention_backward"] > 0 for p in eager} == {True, False}  # both phases
+
+    def worst(m: MemoryModel) -> float:
+        return max(abs(m.predict(p.setting, p.batch).allocated_gib / p.allocated_gib - 1) for p in points)
+
+    fitted = fit(points, phases=True)
+    assert fitted.coefficients["attention_backward"] == pytest.approx(1.3, rel=0.03)
+    assert worst(fitted) < 0.01
+    assert worst(fit(points, phases=False)) > 2 * worst(fitted)
+
+
 def test_the_stated_errors_bound_what_a_left_out_setting_missed_by() -> None:
     """The model states the most it under-predicted (`error`, the margin a "fits" needs) apart from the most it
     over-predicted (`error_over`, what a predicted OOM must clear), each from settings the fit left out; a predicted

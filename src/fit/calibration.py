@@ -34,6 +34,7 @@ from src.fit.model import (
     Point,
     Setting,
     allocator,
+    attention_excess,
     counts,
     peak_batch,
     terms,
@@ -250,28 +251,33 @@ ERROR_FLOOR = 0.02  # the least error stated: run-to-run differences of the same
 
 
 def fit(
-    points: list[Point], stack: dict[str, str] | None = None, group: Callable[[Point], Hashable] | None = None
+    points: list[Point],
+    stack: dict[str, str] | None = None,
+    group: Callable[[Point], Hashable] | None = None,
+    phases: bool = True,
 ) -> MemoryModel:
     """Coefficients that minimise the squared relative error over `points` (with a light pull toward the
     first-principles values), the CUDA context as the points measured it, and the model's errors: each point predicted
     by a fit that left out its group (`group`: points that are one setting, e.g. measured under both allocators;
-    default each point alone), the largest under- and over-prediction, per allocator."""
+    default each point alone), the largest under- and over-prediction, per allocator. `phases=False`: the model's
+    form before 0.10.2 (every term added; `model.terms`), to reproduce what was fitted so."""
     if not points:
         return MemoryModel(stack=dict(stack or {}))
     table = [counts(p.setting, p.batch) for p in points]
     contexts = [p.context_gib for p in points if p.context_gib]
     model = MemoryModel(
-        coefficients=solve(points, table),
+        coefficients=solve(points, table, phases),
         context_gib=float(np.median(contexts)) if contexts else DEFAULT_CONTEXT_GIB,
         points=len(points),
         stack=dict(stack or {}),
+        phases=phases,
     )
     if len(points) >= 3:
         keys = [group(p) if group else k for k, p in enumerate(points)]
         ratios = []
         for k, p in enumerate(points):
             rest = [i for i, key in enumerate(keys) if key != keys[k]]
-            held = MemoryModel(solve([points[i] for i in rest], [table[i] for i in rest]))
+            held = MemoryModel(solve([points[i] for i in rest], [table[i] for i in rest], phases), phases=phases)
             ratios.append(ratio(held, p))
         model.error, model.error_over = bounds(ratios)
         for name in sorted({allocator(p.setting) for p in points}):  # the same order every run (the file it writes)
@@ -296,19 +302,28 @@ def bounds(ratios: list[float]) -> tuple[float, float]:
     return max(float(r.max()) - 1, ERROR_FLOOR), max(float(1 / r.min()) - 1, ERROR_FLOOR)
 
 
-def solve(points: list[Point], table: list[dict[str, float]] | None = None) -> dict[str, float]:
+def solve(points: list[Point], table: list[dict[str, float]] | None = None, phases: bool = True) -> dict[str, float]:
     """The fitted coefficients: the allocated terms to each point's peak allocated (its reserved where that is not
     known, the cache taken at first principles), then the cache's, per allocator, to the peak reserved left beyond the
     allocated terms' prediction, robustly (`_robust`). `table`: the points' counts, where already made."""
     table = table or [counts(p.setting, p.batch) for p in points]
     known = [n for n in TERMS if n not in ALLOCATED and n != "allocator_cache"]
-    rows, target = [], []
+    target = []
     for p, c in zip(points, table, strict=True):
         measured = p.allocated_gib or p.reserved_gib
         cache = 0.0 if p.allocated_gib else terms(c, DEFAULTS, p.setting.expandable_segments)["allocator_cache"]
-        rows.append([c[n] * DEFAULTS[n] / measured for n in ALLOCATED])
         target.append((measured - sum(c[n] for n in known) - cache) / measured)
-    coef = dict(DEFAULTS) | _ridge(np.asarray(rows), np.asarray(target), ALLOCATED)
+    # Each point's peak is in one of a layer's two backward phases (model.terms): linear in the coefficients once the
+    # phase is known, so the phases and the coefficients are found in turn until the phases hold still
+    coef = dict(DEFAULTS)
+    phase = [attention_excess(c, coef) > 0 if phases else None for c in table]
+    for _ in range(PHASE_ROUNDS):
+        rows = [_allocated_row(p, c, attention) for p, c, attention in zip(points, table, phase, strict=True)]
+        coef = dict(DEFAULTS) | _ridge(np.asarray(rows), np.asarray(target), ALLOCATED)
+        found = [attention_excess(c, coef) > 0 if phases else None for c in table]
+        if found == phase:
+            break
+        phase = found
     for expandable, names in CACHE.items():
         mine = [(p, c) for p, c in zip(points, table, strict=True) if p.setting.expandable_segments == expandable]
         mine = [(p, c) for p, c in mine if p.allocated_gib]
@@ -320,10 +335,28 @@ def solve(points: list[Point], table: list[dict[str, float]] | None = None) -> d
             for _, c in mine
         ]
         x = [[v / p.reserved_gib for v in row] for row, (p, _) in zip(x, mine, strict=True)]
-        allocated = [sum(v for n, v in terms(c, coef, expandable).items() if n != "allocator_cache") for _, c in mine]
+        allocated = [
+            sum(v for n, v in terms(c, coef, expandable, phases).items() if n != "allocator_cache") for _, c in mine
+        ]
         y = [(p.reserved_gib - a) / p.reserved_gib for (p, _), a in zip(mine, allocated, strict=True)]
         coef |= _robust(np.asarray(x), np.asarray(y), names)
     return coef
+
+
+PHASE_ROUNDS = 20  # the phases settle in 2-4 on the committed points
+
+
+def _allocated_row(p: Point, c: dict[str, float], attention_phase: bool | None) -> list[float]:
+    """A point's row of the allocated terms' least squares (relative to its measured peak), in its phase: in the
+    attention's backward the MLP's half of one layer's activations is gone and the scores' gradients are there
+    (None: the sum form, every term)."""
+    x = {n: c[n] * DEFAULTS[n] for n in ALLOCATED}
+    if attention_phase:
+        x["activations"] -= c["mlp_activations"] * DEFAULTS["activations"]
+    elif attention_phase is not None:
+        x["attention_backward"] = 0.0
+    measured = p.allocated_gib or p.reserved_gib
+    return [x[n] / measured for n in ALLOCATED]
 
 
 HUBER = 0.06  # relative miss beyond which a point counts linearly, not squared, in the cache's fit

@@ -85,6 +85,7 @@ UNCALIBRATED_ERROR = 0.25  # the relative error assumed before any trial of the 
 RESIDUAL_COPIES = 8  # the embedding's output, the final norm's input and output and lm_head's bf16 copy of it; in the
 # backward, the residual's gradient into and out of a layer, its branch's, and the norm's fp32 gradient
 NORMED_INPUTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # projections fed by an RMSNorm
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 FUSED_ATTENTION = ("sdpa", "varlen", "flash_attention_2", "flash_attention_3", "flex_attention")
 # NF4/FP4 bytes per quantized weight: half a byte, plus an absmax per 64 weights (fp32, or 8-bit with double
 # quantization plus an fp32 per 256 of those).
@@ -238,10 +239,17 @@ def _targets(value: Any) -> list[str]:
 
 def layer_bytes_per_token(s: Setting, mask_on: bool = True) -> float:
     """Bytes one decoder layer keeps for backward per token, counted tensor by tensor (bf16 autocast)."""
+    return sum(layer_parts(s, mask_on))
+
+
+def layer_parts(s: Setting, mask_on: bool = True) -> tuple[float, float]:
+    """(attention half, MLP half) of what one decoder layer keeps for backward, bytes per token: each half's RMSNorm,
+    projections' inputs and LoRA's. The MLP's backward runs first and frees its half before the attention's backward
+    makes the scores' gradients (see `terms`)."""
     a = s.arch
     h, kv, i = a.hidden, a.kv_dim, a.intermediate
     residual = 4 if s.upcast_non_quantized else BF16  # peft's fp32 embeddings keep the residual stream in fp32
-    norms = 2 * (4 * h + residual * h)  # RMSNorm's fp32 input and its output, twice a layer
+    norm = 4 * h + residual * h  # an RMSNorm's fp32 input and its output (one before attention, one before the MLP)
     rope = BF16 * (h + kv)  # q and k before rotation
     attention = BF16 * (2 * h + 2 * kv)  # q, k, v and the output (the fused kernels' logsumexp is small)
     if s.attention == "eager" or (s.attention == "sdpa" and mask_on):
@@ -249,7 +257,7 @@ def layer_bytes_per_token(s: Setting, mask_on: bool = True) -> float:
         # without a mask
         attention += BF16 * 2 * (h - kv)
     mlp = 3 * BF16 * i  # gate, up and silu(gate)
-    lora = 0.0
+    lora = {"attention": 0.0, "mlp": 0.0}
     dims = a.projections()
     for name in s.lora_targets:
         d_in = dims.get(name, (h, h))[0]
@@ -258,8 +266,9 @@ def layer_bytes_per_token(s: Setting, mask_on: bool = True) -> float:
         dtype = residual if name in NORMED_INPUTS else BF16
         cast = BF16 if dtype != BF16 else 0
         kept = (1 + dtype + cast) if s.lora_dropout > 0 else cast  # the dropout's mask and output
-        lora += kept * d_in + BF16 * s.lora_r  # and lora_A's output, saved by lora_B
-    return float(norms + rope + attention + mlp + lora)
+        half = "mlp" if name in MLP_PROJECTIONS else "attention"
+        lora[half] += kept * d_in + BF16 * s.lora_r  # and lora_A's output, saved by lora_B
+    return float(norm + rope + attention + lora["attention"]), float(norm + mlp + lora["mlp"])
 
 
 def masked(s: Setting, batch: Batch) -> bool:
@@ -284,9 +293,9 @@ def counts(s: Setting, batch: Batch) -> dict[str, float]:
     lora = lora_params * (BF16 + BF16 + state)
     tokens = batch.tokens
     mask_on = masked(s, batch)
-    per_layer = layer_bytes_per_token(s, mask_on)
+    attention_half, mlp_half = layer_parts(s, mask_on)
     kept = 1 if s.checkpointing else a.layers  # layers whose activations are alive at once
-    activations = kept * tokens * per_layer
+    activations = kept * tokens * (attention_half + mlp_half)
     # under checkpointing each layer's input is kept (in the residual's dtype) and its activations recomputed
     inputs = a.layers * tokens * a.hidden * residual if s.checkpointing else 0.0
     if s.checkpointing and s.recompute == "selective":
@@ -322,6 +331,8 @@ def counts(s: Setting, batch: Batch) -> dict[str, float]:
         "attention_mask": mask / GIB,
         "logits_and_loss": logits / GIB,
         "allocator_overhead": 1.0,
+        # not a term: one layer's MLP half of `activations`, freed before that layer's attention backward (`terms`)
+        "mlp_activations": tokens * mlp_half / GIB,
     }
     found |= transient(s, found)
     found["allocator_cache"] = found["cache_scores"] + found["cache_tensors"]
@@ -383,12 +394,29 @@ class Prediction:
         return self.needed_gib / (1 + over) + self.context_gib > card_gib
 
 
-def terms(c: dict[str, float], coef: dict[str, float], expandable: bool) -> dict[str, float]:
-    """Each term in GiB from its count (`counts`) and the coefficients; the cache by its allocator's."""
+def terms(c: dict[str, float], coef: dict[str, float], expandable: bool, phases: bool = True) -> dict[str, float]:
+    """Each term in GiB from its count (`counts`) and the coefficients; the cache by its allocator's.
+
+    A layer's backward peaks in one of two phases: its MLP's backward, with all of the layer's activations alive, or
+    its attention's backward, after the MLP's half was freed, with the scores' gradients made (eager attention). The
+    peak is the larger, so `attention_backward` is what the attention's phase holds beyond the MLP's: its gradients
+    less the MLP's half of one layer's activations, and 0 where that is negative. `phases=False`: the form before
+    0.10.2, every term added (a model file fitted so reads so)."""
     scores, tensors, fixed = CACHE[expandable]
     found = {n: c[n] * coef.get(n, 1.0) for n in TERMS}
+    if phases:
+        found["attention_backward"] = attention_excess(c, coef)
     found["allocator_cache"] = c["cache_scores"] * coef[scores] + c["cache_tensors"] * coef[tensors] + coef[fixed]
     return found
+
+
+def attention_excess(c: dict[str, float], coef: dict[str, float]) -> float:
+    """What a layer's attention backward holds beyond its MLP backward (GiB, >= 0; see `terms`)."""
+    return max(0.0, c["attention_backward"] * coef.get("attention_backward", 1.0) - mlp_freed(c, coef))
+
+
+def mlp_freed(c: dict[str, float], coef: dict[str, float]) -> float:
+    return c["mlp_activations"] * coef.get("activations", 1.0)
 
 
 def allocator(s: Setting) -> str:
@@ -408,9 +436,11 @@ class MemoryModel:
     errors: dict[str, list[float]] = field(default_factory=dict)  # allocator -> [error, error_over]
     points: int = 0
     stack: dict[str, str] = field(default_factory=dict)  # what the points were measured on
+    # a layer's backward in two phases (`terms`); a file without the key was fitted to the sum of every term
+    phases: bool = True
 
     def terms(self, s: Setting, batch: Batch) -> dict[str, float]:
-        return terms(counts(s, batch), {**DEFAULTS, **self.coefficients}, s.expandable_segments)
+        return terms(counts(s, batch), {**DEFAULTS, **self.coefficients}, s.expandable_segments, self.phases)
 
     def bounds(self, s: Setting) -> tuple[float, float | None]:
         """(error, error_over) for a setting: its allocator's where known."""
@@ -426,7 +456,7 @@ class MemoryModel:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MemoryModel:
         keys = ("coefficients", "context_gib", "error", "error_over", "errors", "points", "stack")
-        return cls(**{k: d[k] for k in keys if k in d})
+        return cls(**{k: d[k] for k in keys if k in d}, phases=bool(d.get("phases", False)))
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2))
