@@ -48,14 +48,15 @@ def lengths() -> np.ndarray:
 def setting_of(params: dict[str, Any]) -> Any:
     from src.config import compose
     from src.config import override_value as ov
-    from src.fit.model import Setting
+    from src.fit.setting import Setting
 
     return Setting.from_config(compose([*BASE, *(f"{k}={ov(v)}" for k, v in params.items())]))
 
 
 def calibrate() -> None:
     from src.fit.calibration import fit
-    from src.fit.model import Point, peak_batch
+    from src.fit.model import Point
+    from src.fit.setting import peak_batch
 
     full = json.loads(FULL_MAP.read_text())
     ok = sorted((c for c in full["configs"] if c["status"] == "ok"), key=lambda c: c["trial"])
@@ -119,7 +120,8 @@ def summarize(stores: Path) -> None:
     import optuna
     from mlflow.tracking import MlflowClient
 
-    from src.fit.model import MemoryModel, peak_batch
+    from src.fit.model import MemoryModel
+    from src.fit.setting import peak_batch
 
     work = Path(tempfile.mkdtemp())
     with tarfile.open(stores) as tar:

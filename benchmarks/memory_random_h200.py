@@ -107,7 +107,7 @@ def overrides(s: dict[str, Any]) -> list[str]:
 
 def setting_of(s: dict[str, Any]) -> Any:
     from src.config import compose
-    from src.fit.model import Setting
+    from src.fit.setting import Setting
 
     return Setting.from_config(compose([*BASE, *overrides(s)]))
 
@@ -122,7 +122,8 @@ def lengths() -> np.ndarray | None:
 def certain_oom() -> Callable[[dict[str, Any]], bool]:
     """The rule that keeps a setting out of the trials: the grid-calibrated model puts it beyond CERTAIN_OOM x the
     card (the sweep skips such a setting as a certain OOM)."""
-    from src.fit.model import MemoryModel, peak_batch
+    from src.fit.model import MemoryModel
+    from src.fit.setting import peak_batch
 
     old = MemoryModel.load(OLD_MODEL)
     lens = lengths()
@@ -532,7 +533,8 @@ def summarize(
 
     from benchmarks.memory_h200 import comparisons
     from src.fit.calibration import fit
-    from src.fit.model import MemoryModel, Point, allocator, peak_batch
+    from src.fit.model import MemoryModel, Point, allocator
+    from src.fit.setting import peak_batch
 
     if importlib.util.find_spec("fitcheck") is None:  # its errors would be written as nulls into the issue's file
         raise SystemExit(

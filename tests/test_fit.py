@@ -13,16 +13,8 @@ import pytest
 from src.config import compose
 from src.fit.__main__ import main as fit_main
 from src.fit.calibration import Lengths, calibrated, config_of, fit
-from src.fit.model import (
-    DEFAULTS,
-    TERMS,
-    Arch,
-    MemoryModel,
-    Point,
-    Setting,
-    counts,
-    peak_batch,
-)
+from src.fit.model import DEFAULTS, TERMS, MemoryModel, Point, counts
+from src.fit.setting import Arch, Setting, peak_batch
 
 LLAMA3_8B = Arch(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
 LENGTHS = np.array([4024, 3387, 2723, 2046, 1950, 900, 700, 300, 120])

@@ -28,7 +28,7 @@ PRIVATE_ALLOWED = {
 
 
 # The floors, ground first: a module may import its own floor's modules and those below, never above. A module's
-# floor is the one of its longest prefix here (src.fit.model stands below the rest of src.fit).
+# floor is the one of its longest prefix here (src.fit.setting and src.fit.model stand below the rest of src.fit).
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     (
         "ground: names and words every floor reads",
@@ -48,7 +48,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "the stores and the data",
-        ("src.tracking", "src.stores", "src.faults", "src.tables", "src.data", "src.fit.model"),
+        ("src.tracking", "src.stores", "src.faults", "src.tables", "src.data", "src.fit.setting", "src.fit.model"),
     ),
     ("the model, its measurement and its checks", ("src.models", "src.measure", "src.preflight")),
     ("the memory model's fit", ("src.fit",)),

@@ -16,7 +16,8 @@ from mlflow.tracking import MlflowClient
 from src import promote, report
 from src.config import PROJECT_DIR, compose
 from src.fit.calibration import Lengths, vocab_fallback
-from src.fit.model import DEFAULTS, MemoryModel, Setting, peak_batch
+from src.fit.model import DEFAULTS, MemoryModel
+from src.fit.setting import Setting, peak_batch
 from tests.conftest import new_store, run_cli, run_main, sweep_argv
 
 STUDY = "memory"

@@ -18,7 +18,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from src.fit.model import FITTED, TERMS, MemoryModel, Prediction, Setting, peak_batch
+from src.fit.model import FITTED, TERMS, MemoryModel, Prediction
+from src.fit.setting import Setting, peak_batch
 
 
 def main(argv: list[str] | None = None) -> int:

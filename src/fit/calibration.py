@@ -32,13 +32,12 @@ from src.fit.model import (
     TERMS,
     MemoryModel,
     Point,
-    Setting,
     allocator,
     attention_excess,
     counts,
-    peak_batch,
     terms,
 )
+from src.fit.setting import Setting, peak_batch
 
 log = logging.getLogger(__name__)
 STACK_TAGS = (

@@ -19,7 +19,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from src.fit.calibration import MIN_POINTS, calibrated, configured, current_stack, vocab_fallback
-from src.fit.model import MemoryModel, Prediction, Setting, peak_batch
+from src.fit.model import MemoryModel, Prediction
+from src.fit.setting import Setting, peak_batch
 from src.sweep.space import SpaceError
 
 log = logging.getLogger(__name__)
