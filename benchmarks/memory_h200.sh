@@ -6,6 +6,8 @@
 #   device run (carry .whl, see gpu_wheels.sh):  WAIT=570 bash benchmarks/memory_h200.sh [run options]
 #   then, at once:                               WAIT=570 bash benchmarks/memory_h200.sh collect
 #   here, after:  python -m benchmarks.memory_h200 summarize <files_at>/memory_stores.tgz
+# FOREGROUND=1: the run in the call itself, writing into $OUT (no collect): where the device time left may end the
+# call before the run does, a module that writes its raw file after each trial (memory_random_h200) keeps its rows.
 # Other benchmarks run the same way through it (benchmarks/memory_random_h200.sh): MODULE is what runs, COPY where,
 # COLLECT the files of $QLORA_ROOT it brings back, LOGS the paths under $QLORA_ROOT packed into logs.tgz.
 set -uo pipefail
@@ -17,6 +19,10 @@ if [ -d .whl ] && ! python3 -c "import trl, optuna, bitsandbytes, hydra" 2>/dev/
   [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site
+fi
+if [ -n "${FOREGROUND:-}" ]; then  # in this call, writing into $OUT as it goes: a call cut short keeps its rows
+  OUT="${OUT:-$QLORA_ROOT}" python3 -m $MODULE run "$@" 2>&1 | tail -40 | cut -c1-250
+  exit "${PIPESTATUS[0]}"
 fi
 if [ "${1:-}" != collect ]; then
   rm -rf "$COPY" && mkdir -p "$COPY" "$QLORA_ROOT"

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SCRIPT = "benchmarks/memory_random_h200.sh"  # what runs `run` on the device (through memory_h200.sh)
 DESIGN = RESULTS / "memory_model_random_design.json"
 FRESH_DESIGN = RESULTS / "memory_model_random_fresh_design.json"
 OLD_MODEL = RESULTS / "memory_model_calibration_h200.json"
@@ -473,7 +474,15 @@ def _raw(
     return {
         # the first trial, which built the model in a process of its own, and the same setting found built
         "built_apart_check": check or None,
-        "command": "WAIT=570 bash benchmarks/memory_random_h200.sh " + " ".join(sys.argv[2:]),
+        # the script's own variables as the call set them (the raw files before this one say WAIT=570 whatever it was)
+        "command": " ".join(
+            [
+                *(f"{k}={os.environ[k]}" for k in ("FOREGROUND", "WAIT") if os.environ.get(k)),
+                "bash",
+                SCRIPT,
+                *sys.argv[2:],
+            ]
+        ),
         "design": args.design,
         "slots": args.slots,
         "probe": PROBE,
@@ -519,7 +528,7 @@ def measured_rows(raw_file: Path) -> list[dict[str, Any]]:
 
 
 def summarize(
-    raw_files: list[Path], fresh: Path | None = None, tag: str = "", seen: str = "", form: str = "phases"
+    raw_files: list[Path], fresh: Path | None = None, tag: str = "", seen: str = "", form: str = "sum"
 ) -> None:
     """Fit the model and judge it, the grid-calibrated model and the two outside tools on held-out settings.
 
@@ -573,13 +582,12 @@ def summarize(
         if r["status"] == "ok"
     ]
     stack = {f"version.{k}": v for k, v in raws[0]["versions"].items()} | {"gpu.name": raws[0]["gpu"]}
-    # a setting left out under both allocators at once; `form`: a layer's backward in two phases, or (before 0.10.2)
-    # every term added
+    # a setting left out under both allocators at once; `form`: every term added, or a layer's backward in two phases
     model = fit(points, stack, group=lambda p: p.label, phases=form == "phases")
     files = [_shown(f) for f in raw_files] + ([f"--fresh {_shown(fresh)}"] if fresh else [])
     command = "python -m benchmarks.memory_random_h200 summarize " + " ".join(files) + (f" --tag {tag}" if tag else "")
     command += f" --seen {json.dumps(seen)}" if seen else ""
-    command += f" --form {form}" if form != "phases" else ""
+    command += f" --form {form}"
     model_file.write_text(json.dumps(model.to_dict() | {"command": command}, indent=2))
     old = MemoryModel.load(OLD_MODEL)
     settings, fit_but_oom, said_fits_but_oom = [], [], []
@@ -802,8 +810,9 @@ def main() -> None:
     s.add_argument(
         "--form",
         choices=("phases", "sum"),
-        default="phases",
-        help="the model's form: a layer's backward in two phases (0.10.2 on), or every term added (before)",
+        default="sum",
+        help="the model's form: every term added (the judged form, the product's default), or a layer's backward in "
+        "two phases (0.10.2, where a model file says so)",
     )
     pr = sub.add_parser("pressed")
     pr.add_argument("raw", type=Path, help="the pressed run's raw file (memory_random_raw_pressed.json)")

@@ -12,5 +12,11 @@
 #     WAIT=560 bash benchmarks/memory_random_h200.sh --design fresh     -> memory_random_raw_fresh.json
 #   then here: python -m benchmarks.memory_random_h200 summarize benchmarks/results/memory_model_random_raw_h200.json \
 #     benchmarks/results/memory_model_random_raw_expandable_h200.json --fresh <files_at>/memory_random_raw_fresh.json
+#   the two-phase form's judgement (0.10.2; the third set's design is committed; ~8 minutes on an H100, 3 slots):
+#     WAIT=540 bash benchmarks/memory_random_h200.sh --design fresh3 --slots 3   -> memory_random_raw_fresh3.json
+#     (FOREGROUND=1 where the device time left may not cover it: rows land in $OUT after each trial)
+#   then here: python -m benchmarks.memory_random_h200 summarize benchmarks/results/memory_model_random_raw_h200.json \
+#     benchmarks/results/memory_model_random_raw_expandable_h200.json benchmarks/results/memory_model_random_raw_fresh_h100.json \
+#     benchmarks/results/memory_model_random_raw_fresh2_h100.json --fresh <files_at>/memory_random_raw_fresh3.json --form phases
 MODULE=benchmarks.memory_random_h200 COPY=/tmp/memory_random_run COLLECT='memory_random_raw*.json' \
   LOGS='build.log calibration*.log held_out*.log fresh*.log pressed*.log' exec bash "$(dirname "$0")/memory_h200.sh" "$@"

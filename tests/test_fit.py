@@ -134,9 +134,10 @@ def test_a_fit_reproduces_its_points_and_the_ones_it_did_not_see() -> None:
 
 def test_a_layers_backward_peaks_in_its_mlp_or_in_its_attention_phase() -> None:
     """Eager attention's gradients count only beyond the MLP's half of a layer's activations (freed before them): a
-    short row's peak is its MLP's backward, a long row's its attention's; the sum form (model files before 0.10.2)
-    adds both. A fit finds each point's phase and recovers the coefficients a sum cannot."""
-    model = MemoryModel()
+    short row's peak is its MLP's backward, a long row's its attention's; the sum form (the default until a fresh set
+    judges this one, and model files without the key) adds both. A fit finds each point's phase and recovers the coefficients a sum cannot."""
+    model = MemoryModel(phases=True)
+    assert MemoryModel().phases is False  # the judged form stays the default until a fresh set judges this one
     for seq, beyond in ((512, False), (4096, True)):
         s = Setting(LLAMA3_8B, seq, checkpointing=True, attention="eager", upcast_non_quantized=False)
         b = peak_batch(None, s)
@@ -150,7 +151,7 @@ def test_a_layers_backward_peaks_in_its_mlp_or_in_its_attention_phase() -> None:
     old = {k: v for k, v in model.to_dict().items() if k != "phases"}  # a file written before the key
     assert MemoryModel.from_dict(old).phases is False and MemoryModel.from_dict(model.to_dict()).phases is True
 
-    truth = MemoryModel(coefficients={**DEFAULTS, "attention_backward": 1.3, "activations": 0.9})
+    truth = MemoryModel(coefficients={**DEFAULTS, "attention_backward": 1.3, "activations": 0.9}, phases=True)
     points = []
     for s in _settings():
         t = s.with_knobs(expandable_segments=True)

@@ -253,13 +253,13 @@ def fit(
     points: list[Point],
     stack: dict[str, str] | None = None,
     group: Callable[[Point], Hashable] | None = None,
-    phases: bool = True,
+    phases: bool = False,
 ) -> MemoryModel:
     """Coefficients that minimise the squared relative error over `points` (with a light pull toward the
     first-principles values), the CUDA context as the points measured it, and the model's errors: each point predicted
     by a fit that left out its group (`group`: points that are one setting, e.g. measured under both allocators;
-    default each point alone), the largest under- and over-prediction, per allocator. `phases=False`: the model's
-    form before 0.10.2 (every term added; `model.terms`), to reproduce what was fitted so."""
+    default each point alone), the largest under- and over-prediction, per allocator. `phases`: a layer's backward
+    in two phases (`model.terms`, 0.10.2), not yet judged on a set it never saw; by default every term added."""
     if not points:
         return MemoryModel(stack=dict(stack or {}))
     table = [counts(p.setting, p.batch) for p in points]
@@ -301,7 +301,7 @@ def bounds(ratios: list[float]) -> tuple[float, float]:
     return max(float(r.max()) - 1, ERROR_FLOOR), max(float(1 / r.min()) - 1, ERROR_FLOOR)
 
 
-def solve(points: list[Point], table: list[dict[str, float]] | None = None, phases: bool = True) -> dict[str, float]:
+def solve(points: list[Point], table: list[dict[str, float]] | None = None, phases: bool = False) -> dict[str, float]:
     """The fitted coefficients: the allocated terms to each point's peak allocated (its reserved where that is not
     known, the cache taken at first principles), then the cache's, per allocator, to the peak reserved left beyond the
     allocated terms' prediction, robustly (`_robust`). `table`: the points' counts, where already made."""

@@ -249,14 +249,14 @@ class Prediction:
         return self.needed_gib / (1 + over) + self.context_gib > card_gib
 
 
-def terms(c: dict[str, float], coef: dict[str, float], expandable: bool, phases: bool = True) -> dict[str, float]:
+def terms(c: dict[str, float], coef: dict[str, float], expandable: bool, phases: bool = False) -> dict[str, float]:
     """Each term in GiB from its count (`counts`) and the coefficients; the cache by its allocator's.
 
     A layer's backward peaks in one of two phases: its MLP's backward, with all of the layer's activations alive, or
     its attention's backward, after the MLP's half was freed, with the scores' gradients made (eager attention). The
     peak is the larger, so `attention_backward` is what the attention's phase holds beyond the MLP's: its gradients
-    less the MLP's half of one layer's activations, and 0 where that is negative. `phases=False`: the form before
-    0.10.2, every term added (a model file fitted so reads so)."""
+    less the MLP's half of one layer's activations, and 0 where that is negative (0.10.2, where a model file says so).
+    `phases=False`, the default: every term added, the form the fresh sets judged (NOTES §17c)."""
     scores, tensors, fixed = CACHE[expandable]
     found = {n: c[n] * coef.get(n, 1.0) for n in TERMS}
     if phases:
@@ -291,8 +291,9 @@ class MemoryModel:
     errors: dict[str, list[float]] = field(default_factory=dict)  # allocator -> [error, error_over]
     points: int = 0
     stack: dict[str, str] = field(default_factory=dict)  # what the points were measured on
-    # a layer's backward in two phases (`terms`); a file without the key was fitted to the sum of every term
-    phases: bool = True
+    # a layer's backward in two phases (`terms`, 0.10.2), where a model file says so; otherwise (and in a file without
+    # the key) every term added, the form a fresh set judged: the default until one judges the two-phase form (#29)
+    phases: bool = False
 
     def terms(self, s: Setting, batch: Batch) -> dict[str, float]:
         return terms(counts(s, batch), {**DEFAULTS, **self.coefficients}, s.expandable_segments, self.phases)
