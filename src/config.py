@@ -246,6 +246,12 @@ def checkpointing_name() -> str:
     return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
+def packed_probe(cfg: DictConfig) -> bool:
+    """A short run (`trainer.max_steps`) on packed rows: its first step must hold its fullest batch (src/data.py
+    fullest_first)."""
+    return cfg.trainer.max_steps > 0 and bool(cfg.trainer.packing)
+
+
 def sft_kwargs(cfg: DictConfig, use_cpu: bool) -> dict[str, Any]:
     """trl.SFTConfig keyword arguments from our config: the users' older names mapped to today's."""
     t = cfg.trainer
@@ -255,8 +261,13 @@ def sft_kwargs(cfg: DictConfig, use_cpu: bool) -> dict[str, Any]:
     kwargs.update(
         # trl <0.20 `max_seq_length` -> `max_length`
         max_length=cfg.data.max_seq_length,
-        # transformers <5 `group_by_length=True` -> `train_sampling_strategy="group_by_length"`
-        train_sampling_strategy="group_by_length" if t.group_by_length else "random",
+        # transformers <5 `group_by_length=True` -> `train_sampling_strategy="group_by_length"`; a packed probe
+        # trains its bins in the order src/data.py fullest_first gives them (its first step holds the peak)
+        train_sampling_strategy="sequential"
+        if packed_probe(cfg)
+        else "group_by_length"
+        if t.group_by_length
+        else "random",
         # transformers 5.23 `gradient_checkpointing` -> `activation_checkpointing` (and its _kwargs)
         # (trainer.recompute: what the backward recomputes, src/recompute.py)
         **{checkpointing: t.gradient_checkpointing, f"{checkpointing}_kwargs": recompute.checkpoint_kwargs(cfg)},

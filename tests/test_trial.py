@@ -232,6 +232,33 @@ def test_packed_probe_holds_enough_rows_to_fill_its_packed_rows() -> None:
     assert len(probe_rows(lengths[:4], n_rows=50, batch=1, seed=0, pack_to=1024)) == 4  # all there is
 
 
+def test_a_packed_probes_first_step_holds_its_fullest_batch(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Best-fit packing leaves some bins part-empty, and the samplers put them anywhere: a one-step probe then
+    measured a batch smaller than the setting's peak. A packed probe trains its bins fullest first, in every order
+    the user may ask for; a run that is not a probe keeps the user's sampler."""
+    from src.config import sft_kwargs
+    from src.measure.steps import Measurements
+
+    steps: list[int] = []
+    after = Measurements.on_step_end
+
+    def spy(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        after(self, *args, **kwargs)
+        steps.append(self.steps[-1]["tokens"])
+
+    monkeypatch.setattr(Measurements, "on_step_end", spy)
+    packed = ["trainer=probe", "trainer.max_steps=3", "trainer.packing=true", "trainer.per_device_train_batch_size=2"]
+    packed += ["trainer.gradient_accumulation_steps=1", "trainer.group_by_length=false", "data.max_seq_length=256"]
+    packed += ["model.attn_implementation=sdpa"]
+    result = run_trial_here(root, packed)
+    assert result["status"] == "ok", result["failure"]
+    assert len(steps) == 3 and steps == sorted(steps, reverse=True) and steps[0] > steps[-1], steps
+    out = f"trainer.output_dir={root / 'args'}"
+    assert sft_kwargs(compose_cfg([*packed, out]), use_cpu=True)["train_sampling_strategy"] == "sequential"
+    whole = ["trainer.packing=true", "trainer.max_steps=-1", "model.attn_implementation=sdpa", out]
+    assert sft_kwargs(compose_cfg(whole), use_cpu=True)["train_sampling_strategy"] == "group_by_length"
+
+
 @pytest.mark.parametrize(
     "exc,kind",
     [

@@ -83,7 +83,8 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     from trl import SFTConfig, SFTTrainer
 
     from src import models, preflight, recompute
-    from src.config import sft_kwargs
+    from src.config import packed_probe, sft_kwargs
+    from src.data import fullest_first
     from src.measure import progress
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -106,6 +107,8 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
         train_dataset=dataset,
         processing_class=tokenizer,
     )
+    if packed_probe(cfg):  # trl packed the rows into bins above: the fullest are trained first
+        trainer.train_dataset = fullest_first(trainer.train_dataset)
     for callback in _callbacks(cfg, out_dir, ctx):
         trainer.add_callback(callback)
     progress.install(trainer, ctx.meas)  # one bar on a terminal; the per-step dicts to the log file
