@@ -139,7 +139,7 @@ def _packed_steps() -> list[dict[str, Any]]:
                 "verdict_vs_quick_pct": 100 * (v["peak_vram_allocated_gib"] / q["peak_vram_allocated_gib"] - 1),
             }
         )
-    return sorted(rows, key=lambda r: r["verdict_vs_quick_pct"])
+    return sorted(rows, key=lambda r: (r["verdict_vs_quick_pct"], json.dumps(r["setting"], sort_keys=True)))
 
 
 def _row(setting: dict[str, Any], measured: float, predicted: dict[str, float]) -> dict[str, Any]:

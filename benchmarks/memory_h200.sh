@@ -21,7 +21,8 @@ if [ -d .whl ] && ! python3 -c "import trl, optuna, bitsandbytes, hydra" 2>/dev/
   export PYTHONPATH=/tmp/site
 fi
 if [ -n "${FOREGROUND:-}" ]; then  # in this call, writing into $OUT as it goes: a call cut short keeps its rows
-  OUT="${OUT:-$QLORA_ROOT}" python3 -m $MODULE run "$@" 2>&1 | tail -40 | cut -c1-250
+  OUT="${OUT:-$QLORA_ROOT}"; mkdir -p "$OUT"
+  OUT="$OUT" python3 -m $MODULE run "$@" 2>&1 | tee "$OUT/run.log" | tail -40 | cut -c1-250
   exit "${PIPESTATUS[0]}"
 fi
 if [ "${1:-}" != collect ]; then

@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -382,7 +383,9 @@ def run(args: argparse.Namespace) -> None:
     with ThreadPoolExecutor(args.slots) as pool:
         for row in pool.map(one, todo):
             rows.append(row)
-            (out / f"memory_random_raw{tag}.json").write_text(json.dumps(_raw(rows, t0, args, check), indent=1))
+            raw = out / f"memory_random_raw{tag}.json"  # whole or not at all: a call cut short may kill it here
+            raw.with_suffix(".partial").write_text(json.dumps(_raw(rows, t0, args, check), indent=1))
+            os.replace(raw.with_suffix(".partial"), raw)
     print(f"done: {len(rows)} trials in {(time.time() - t0) / 60:.1f} min", flush=True)
 
 
@@ -476,13 +479,9 @@ def _raw(
         "built_apart_check": check or None,
         # the script's own variables as the call set them (the raw files before this one say WAIT=570 whatever it was)
         "command": " ".join(
-            [
-                *(f"{k}={os.environ[k]}" for k in ("FOREGROUND", "WAIT") if os.environ.get(k)),
-                "bash",
-                SCRIPT,
-                *sys.argv[2:],
-            ]
-        ),
+            [*(f"{k}={os.environ[k]}" for k in ("FOREGROUND", "WAIT") if os.environ.get(k)), "bash", SCRIPT]
+        )
+        + (" " + shlex.join(sys.argv[2:]) if sys.argv[2:] else ""),
         "design": args.design,
         "slots": args.slots,
         "probe": PROBE,

@@ -17,6 +17,7 @@
 #     (FOREGROUND=1 where the device time left may not cover it: rows land in $OUT after each trial)
 #   then here: python -m benchmarks.memory_random_h200 summarize benchmarks/results/memory_model_random_raw_h200.json \
 #     benchmarks/results/memory_model_random_raw_expandable_h200.json benchmarks/results/memory_model_random_raw_fresh_h100.json \
-#     benchmarks/results/memory_model_random_raw_fresh2_h100.json --fresh <files_at>/memory_random_raw_fresh3.json --form phases
+#     benchmarks/results/memory_model_random_raw_fresh2_h100.json --fresh <files_at>/memory_random_raw_fresh3.json --tag _fresh3_phases --form phases
+#     (the tag: memory_model_random_h200.json and its calibration file, which the maps read, keep the sum form)
 MODULE=benchmarks.memory_random_h200 COPY=/tmp/memory_random_run COLLECT='memory_random_raw*.json' \
   LOGS='build.log calibration*.log held_out*.log fresh*.log pressed*.log' exec bash "$(dirname "$0")/memory_h200.sh" "$@"

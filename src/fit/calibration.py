@@ -261,7 +261,7 @@ def fit(
     default each point alone), the largest under- and over-prediction, per allocator. `phases`: a layer's backward
     in two phases (`model.terms`, 0.10.2), not yet judged on a set it never saw; by default every term added."""
     if not points:
-        return MemoryModel(stack=dict(stack or {}))
+        return MemoryModel(stack=dict(stack or {}), phases=phases)
     table = [counts(p.setting, p.batch) for p in points]
     contexts = [p.context_gib for p in points if p.context_gib]
     model = MemoryModel(
