@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.memory_random_h200 import RESULTS, _key, lengths, measured_rows, overrides, setting_of
+from benchmarks.memory_random_h200 import RESULTS, lengths, measured_rows, overrides, point, setting_of
 
 RAW = (
     "memory_model_random_raw_h200.json",
@@ -49,19 +49,11 @@ OUT = RESULTS / "memory_model_crosscheck.json"
 def main() -> None:
     from src.config import compose
     from src.fit.calibration import fit
-    from src.fit.model import Point
     from src.fit.setting import Setting, peak_batch
 
     lens = lengths()
-    points = []
-    for name in RAW:
-        for r in measured_rows(RESULTS / name):
-            if r["status"] == "ok":
-                s = setting_of(r["setting"])
-                points.append(
-                    Point(s, peak_batch(lens, s), r["peak_vram_reserved_gib"], r["cuda_context_gib"],
-                          _key(r["setting"]), r["peak_vram_allocated_gib"])
-                )  # fmt: skip
+    ok = [r for name in RAW for r in measured_rows(RESULTS / name) if r["status"] == "ok"]
+    points = [point(r, s, peak_batch(lens, s)) for r in ok for s in [setting_of(r["setting"])]]
     models = {form: fit(points, group=lambda p: p.label, phases=form == "phases") for form in ("sum", "phases")}
 
     def predicted(argv: list[str]) -> dict[str, float]:
@@ -69,10 +61,11 @@ def main() -> None:
         b = peak_batch(lens, s)
         return {form: m.predict(s, b).allocated_gib for form, m in models.items()}
 
+    trials = {name: json.loads((RESULTS / name).read_text())["trials"] for name in MAPS}
     judged: dict[str, Any] = {}
     for name, added in MAPS.items():
         rows = []
-        for t in json.loads((RESULTS / name).read_text())["trials"]:
+        for t in trials[name]:
             if t.get("status") == "ok" and t.get("peak_vram_allocated_gib"):
                 rows.append(
                     _row(t["params"], t["peak_vram_allocated_gib"], predicted([*BASE, *added, *overrides(t["params"])]))
@@ -96,7 +89,7 @@ def main() -> None:
     }  # fmt: skip
     out = {
         "command": "python -m benchmarks.memory_crosscheck",
-        "packed_verdict_vs_quick": _packed_steps(),
+        "packed_verdict_vs_quick": _packed_steps(trials),
         "fitted_on": {"raw_files": list(RAW), "points": len(points)},
         "stated_error_pct": {
             form: {a: {"under": 100 * e[0], "over": 100 * e[1]} for a, e in m.errors.items()}
@@ -115,16 +108,17 @@ def main() -> None:
     print(f"wrote {OUT.relative_to(RESULTS.parent.parent)}")
 
 
-def _packed_steps() -> list[dict[str, Any]]:
-    """Each packed setting both maps trained: the tokens and peak allocated of the verdict map's one micro-step and
-    of the quick map's measured (second) one, largest shortfall first."""
-    maps = {}
-    for name in MAPS:
-        maps[name] = {
+def _packed_steps(trials: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each packed setting both maps trained (`trials`: each map's): the tokens and peak allocated of the verdict
+    map's one micro-step and of the quick map's measured (second) one, largest shortfall first."""
+    maps = {
+        name: {
             json.dumps(t["params"], sort_keys=True): t
-            for t in json.loads((RESULTS / name).read_text())["trials"]
+            for t in rows
             if t.get("status") == "ok" and t["params"].get("trainer.packing") and t.get("tokens_per_s")
         }
+        for name, rows in trials.items()
+    }
     verdict, quick = maps["speed_map_verdict_raw_h100.json"], maps["speed_map_quick_raw_h100.json"]
     rows = []
     for key in verdict.keys() & quick.keys():

@@ -526,6 +526,15 @@ def measured_rows(raw_file: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def point(r: dict[str, Any], s: Any, b: Any) -> Any:
+    """The fit's point of a measured row (`measured_rows`) that trained, with its setting and micro-batch."""
+    from src.fit.model import Point
+
+    return Point(
+        s, b, r["peak_vram_reserved_gib"], r["cuda_context_gib"], _key(r["setting"]), r["peak_vram_allocated_gib"]
+    )
+
+
 def summarize(
     raw_files: list[Path], fresh: Path | None = None, tag: str = "", seen: str = "", form: str = "sum"
 ) -> None:
@@ -541,7 +550,7 @@ def summarize(
 
     from benchmarks.memory_h200 import comparisons
     from src.fit.calibration import fit
-    from src.fit.model import MemoryModel, Point, allocator
+    from src.fit.model import MemoryModel, allocator
     from src.fit.setting import peak_batch
 
     if importlib.util.find_spec("fitcheck") is None:  # its errors would be written as nulls into the issue's file
@@ -573,13 +582,7 @@ def summarize(
         judged_rows = [x for x in measured if x[0]["role"] == "held_out"]
     else:
         fitted, judged_rows = measured, prepared(measured_rows(fresh))
-    points = [
-        Point(
-            s, b, r["peak_vram_reserved_gib"], r["cuda_context_gib"], _key(r["setting"]), r["peak_vram_allocated_gib"]
-        )
-        for r, s, b in fitted
-        if r["status"] == "ok"
-    ]
+    points = [point(r, s, b) for r, s, b in fitted if r["status"] == "ok"]
     stack = {f"version.{k}": v for k, v in raws[0]["versions"].items()} | {"gpu.name": raws[0]["gpu"]}
     # a setting left out under both allocators at once; `form`: every term added, or a layer's backward in two phases
     model = fit(points, stack, group=lambda p: p.label, phases=form == "phases")
