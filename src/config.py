@@ -115,6 +115,9 @@ class TrainerConfig:
     dataloader_num_workers: int = 0
     output_dir: str = MISSING
     save_adapter: bool = MISSING
+    # A single run's checkpoint interval in optimizer steps (transformers' own name); null: every
+    # checkpoint.every_minutes of training instead. Probes a sweep launches never checkpoint.
+    save_steps: int | None = None
 
 
 @dataclass
@@ -146,6 +149,9 @@ class TrackingConfig:
     uri: str = MISSING
     experiment: str = MISSING
     registered_model: str = MISSING
+    # The registered version whose setting this run trains (src.promote writes it into production.yaml): a run
+    # that finishes registers its adapter as a new version of registered_model and moves the alias to it.
+    registered_version: int | None = None
 
 
 @dataclass
@@ -153,6 +159,25 @@ class FaultConfig:
     kind: str = MISSING
     step: int = MISSING
     rank: int | None = None  # data_parallel: only this rank fails (null: every rank)
+    # A single run: the fault fires on this many attempts (1: the first only, as a transient fault would; a
+    # setting's own failure recurs on every attempt). A sweep's probe has one attempt: it always fires.
+    times: int = 1
+    # step: when optimizer step `step` begins; save: while checkpoint `step` is being written (before it is
+    # committed), to show that a kill during a save leaves the previous checkpoint in use.
+    during: str = "step"
+
+
+@dataclass
+class CheckpointConfig:
+    """A single run's checkpoints and restarts (src/checkpoints.py, src/trial/supervised.py); a sweep's probes
+    have none."""
+
+    every_minutes: float = MISSING
+    keep: int = MISSING
+    dir: str | None = MISSING
+    resume: bool = MISSING
+    max_restarts: int = MISSING
+    stall_timeout_s: float = MISSING
 
 
 @dataclass
@@ -177,6 +202,7 @@ class TrainConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
 
@@ -252,8 +278,10 @@ def packed_probe(cfg: DictConfig) -> bool:
     return cfg.trainer.max_steps > 0 and bool(cfg.trainer.packing)
 
 
-def sft_kwargs(cfg: DictConfig, use_cpu: bool) -> dict[str, Any]:
-    """trl.SFTConfig keyword arguments from our config: the users' older names mapped to today's."""
+def sft_kwargs(cfg: DictConfig, use_cpu: bool, checkpoint_dir: Path | None = None) -> dict[str, Any]:
+    """trl.SFTConfig keyword arguments from our config: the users' older names mapped to today's. `checkpoint_dir`:
+    a single run's folder, whose checkpoints the Trainer writes into `.staging/` (src/checkpoints.py commits each
+    whole, asks for the saves by minutes and keeps the last checkpoint.keep); None: a probe, which saves nothing."""
     t = cfg.trainer
     kwargs: dict[str, Any] = {name: t[name] for name in _SFT_FIELDS}
     kwargs["torch_compile"] = t.torch_compile is True  # "layers" is ours (src/models.py compile_layers)
@@ -276,10 +304,22 @@ def sft_kwargs(cfg: DictConfig, use_cpu: bool) -> dict[str, Any]:
         # A NaN loss must reach the log (and our nan_loss check), not be averaged away.
         logging_nan_inf_filter=False,
         report_to="none",
-        save_strategy="no",
         disable_tqdm=True,
         use_cpu=use_cpu,
     )
+    if checkpoint_dir is None:
+        kwargs["save_strategy"] = "no"
+    else:
+        from src.checkpoints import STAGING
+
+        kwargs.update(
+            output_dir=str(checkpoint_dir / STAGING),
+            # transformers' own interval in steps; without it src/checkpoints.py asks for each save by the minute
+            save_strategy="steps" if t.save_steps else "no",
+            save_steps=t.save_steps or 500,
+            save_total_limit=None,  # rotated once the new checkpoint is committed, not before
+            save_only_model=False,  # the optimizer, scheduler and RNG states too: an exact resume
+        )
     return kwargs
 
 

@@ -75,15 +75,27 @@ def _nan(model: Any) -> None:
 
 
 class FaultInjector(TrainerCallback):
-    def __init__(self, kind: str, step: int, rank: int | None = None) -> None:
+    """`kind` at optimizer step `step`: when it begins (`during="step"`), or while its checkpoint is being written,
+    before it is committed (`during="save"`, src/checkpoints.py calls `at_save`). `fires=False`: a single run's
+    attempt past the first `fault.times` (a transient fault does not come back)."""
+
+    def __init__(self, kind: str, step: int, rank: int | None = None, during: str = "step", fires: bool = True) -> None:
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault.kind: unknown '{kind}'; one of {', '.join(FAULT_KINDS)}")
-        self.kind, self.step = kind, step
+        self.kind, self.step, self.during = kind, step, during
         # In a data-parallel trial only the chosen rank fails (RANK is set by the launcher).
-        self.armed = rank is None or int(os.environ.get("RANK", "0")) == rank
+        self.armed = fires and (rank is None or int(os.environ.get("RANK", "0")) == rank)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if self.kind == "none" or not self.armed or state.global_step + 1 != self.step:
+        if self.during == "step" and state.global_step + 1 == self.step:
+            self._fire(model)
+
+    def at_save(self, step: int) -> None:
+        if self.during == "save" and step == self.step:
+            self._fire(None)
+
+    def _fire(self, model: Any) -> None:
+        if self.kind == "none" or not self.armed:
             return
         if self.kind == "oom":
             _oom()

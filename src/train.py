@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from src import quiet
 from src.config import register_configs
 from src.handoff import RUN_ENV, die_with_parent
+from src.trial.supervised import RUN_DIR_ENV, drop_elastic_env
 
 quiet.install()  # before torch, transformers, peft, bitsandbytes, optuna load: their harmless warnings (src/quiet.py)
 register_configs()
@@ -31,21 +32,50 @@ def main(cfg: DictConfig) -> dict:
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     allocator_settings(cfg)
+    if os.environ.get(RUN_DIR_ENV):  # an attempt of a single run, started by its supervisor's elastic agent
+        result, code = trial.run_attempt(cfg, out_dir)
+        if result["status"] != "ok":  # the supervisor says the rest
+            _said(cfg, out_dir, result)
+        sys.exit(code)  # 1: the agent restarts it from the last checkpoint
     if cfg.hardware.parallelism == "data_parallel":
         if "LOCAL_RANK" in os.environ:  # a rank started by torch.distributed.run
             trial.run_rank(cfg, out_dir)  # exits with 0 (ok) or 1
         result = trial.run_data_parallel(cfg, out_dir, sys.argv[1:])
-    else:
+    elif os.environ.get(RUN_ENV):  # a sweep's probe: one attempt, no checkpoints
         result = trial.run(cfg, out_dir)
+    else:  # a single run: checkpoints, restarts, one record (README "Production")
+        result = trial.supervise(cfg, out_dir, sys.argv[1:])
+        if result.get("already"):
+            return result
+        if result["status"] == "ok":
+            _run_done(result)
+    if not _said(cfg, out_dir, result):
+        sys.exit(1)
+    return result
+
+
+def _said(cfg: DictConfig, out_dir: Path, result: dict) -> bool:
+    """The outcome in two lines; whether it was ok."""
     m = result["metrics"]
     if result["status"] == "ok":
         print(f"trial ok: {m.get('tokens_per_s', float('nan')):.1f} tokens/s, {_memory(m)}")
         print(_where(cfg, out_dir, result["run_id"]))
-        return result
+        return True
     failure = result["failure"]
     print(f"trial failed ({failure['kind']} at step {failure['step']}): {failure['message']}", file=sys.stderr)
+    if result.get("stop"):
+        print(f"not restarted: {result['stop']}", file=sys.stderr)
     print(_where(cfg, out_dir, result["run_id"]), file=sys.stderr)
-    sys.exit(1)
+    return False
+
+
+def _run_done(result: dict) -> None:
+    m = result["metrics"]
+    if "restarts" in m:
+        print(
+            f"run finished after {int(m['restarts'])} restart(s) ({m.get('lost_s', 0.0):.0f} s lost to failures); "
+            f"checkpoints and adapter: {result.get('run_dir')}/"
+        )
 
 
 def allocator_settings(cfg: DictConfig) -> None:
@@ -91,5 +121,9 @@ def _where(cfg: DictConfig, out_dir: Path, run_id: str) -> str:
 
 
 if __name__ == "__main__":
-    die_with_parent()  # a trial started by the sweep engine dies with it (src/handoff.py)
+    if os.environ.get(RUN_DIR_ENV):  # an attempt: dies with its supervisor; trains as one plain process
+        drop_elastic_env()
+        die_with_parent(os.getppid())
+    else:
+        die_with_parent()  # a trial started by the sweep engine dies with it (src/handoff.py)
     main()

@@ -41,6 +41,7 @@ class Measurements(TrainerCallback):
         self.cuda = torch.cuda.is_available()
         self.steps: list[dict[str, float]] = []
         self.losses: list[float] = []
+        self.loss_steps: list[int] = []  # the optimizer step of each loss (a resumed run's first is past 1)
         self.step = 0
         self.startup_s: float | None = None
         self._last_t = 0.0
@@ -109,11 +110,16 @@ class Measurements(TrainerCallback):
         self._last_t, self._last_tokens = now, tokens
         self.write_progress("training", state.epoch)
 
+    def restart_clock(self) -> None:
+        """A checkpoint was saved (src/checkpoints.py): its time is not the next step's."""
+        self._last_t = time.perf_counter()
+
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         loss = (logs or {}).get("loss")
         if loss is None:
             return
         self.losses.append(float(loss))
+        self.loss_steps.append(int(state.global_step))
         if not math.isfinite(float(loss)):
             raise NanLossError(f"loss became {loss} at step {state.global_step}")
 

@@ -4,5 +4,6 @@ names what a trial and the sweep engine tell each other."""
 
 from src.trial.data_parallel import run_data_parallel, run_rank
 from src.trial.single import run
+from src.trial.supervised import run_attempt, supervise
 
-__all__ = ["run", "run_data_parallel", "run_rank"]
+__all__ = ["run", "run_attempt", "run_data_parallel", "run_rank", "supervise"]

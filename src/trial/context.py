@@ -44,6 +44,10 @@ class TrialContext:
     # A data-parallel trial's parent: the figures its ranks measured (merged) and the kernel rank 0 saw.
     metrics: dict[str, float] = field(default_factory=dict)
     attention_tag: str | None = None
+    # An attempt of a single run (src/trial/supervised.py): its checkpoints, resume point and ledger; None for a
+    # sweep's probe and a data-parallel trial.
+    attempt: Any = None
+    fault: Any = None  # the FaultInjector (src/faults.py), once the callbacks are built
 
     def mark(self, phase: str) -> None:
         """End a start-up phase: its duration in seconds, since the previous phase ended (the first: since the

@@ -9,6 +9,7 @@ outright (segfault, SIGKILL, a hang) is recorded by the engine from outside.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import traceback
@@ -24,11 +25,12 @@ from src.handoff import PROGRESS_FILE, RESULT_FILE
 from src.trial.context import TrialContext, check, describe, open_run
 
 
-def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
-    """Run one trial and record it; returns the outcome (also written to result.json)."""
+def run(cfg: DictConfig, out_dir: Path, attempt: Any = None) -> dict[str, Any]:
+    """Run one trial and record it; returns the outcome (also written to result.json). `attempt`: an attempt of a
+    single run (src/trial/supervised.py), which checkpoints, resumes and leaves its run open for the supervisor."""
     # A password in tracking.uri, a store that cannot be reached or written: one line, before torch or MLflow.
     stores.require(stores.of_trial(cfg))
-    ctx = TrialContext()
+    ctx = TrialContext(attempt=attempt)
     ctx.mark("python_and_hydra")  # the interpreter (or the fork) and Hydra's composition of the config
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx.client, ctx.run_id = open_run(cfg)
@@ -40,6 +42,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         train(cfg, out_dir, ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits
         failure = failure_of(exc, ctx.meas)
+        if attempt is not None and _save_failed(exc, attempt):
+            from src.checkpoints import disk_full
+
+            failure.message = str(disk_full(attempt.folder))
         name, trace = "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt", traceback.format_exc()
         ctx.log_text(trace, name)
         (out_dir / name).write_text(redact.redact_text(trace))  # beside result.json, for the terminal
@@ -96,14 +102,20 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     dataset, stats = _dataset(cfg, tokenizer, world_size=world_size)
     ctx.log_metrics(stats)
     ctx.mark("dataset")
+    # The adapter's initialisation from trainer.seed (the Trainer seeds only later, once it is built): two runs of
+    # one setting start from the same adapter, so a resumed run can be compared with an uninterrupted one
+    from transformers import set_seed
+
+    set_seed(int(cfg.trainer.seed))
     model = models.attach_lora(model, instantiate(cfg.lora, _convert_="all"))
     if cfg.trainer.gradient_checkpointing and cfg.trainer.recompute == "no_down":
         reordered = recompute.base_last(model)  # none without 4-bit LoRA down_proj: then it recomputes as full does
         print(f"trainer.recompute=no_down: {reordered} down_proj products computed after their LoRA terms", flush=True)
         ctx.set_tags({"trial.recompute_reordered": reordered})
+    folder = ctx.attempt.folder if ctx.attempt is not None else None
     trainer = SFTTrainer(  # trl casts the adapters to bf16 on a 4-bit base, as it does with a peft_config
         model=model,
-        args=SFTConfig(**sft_kwargs(cfg, use_cpu=not torch.cuda.is_available())),
+        args=SFTConfig(**sft_kwargs(cfg, use_cpu=not torch.cuda.is_available(), checkpoint_dir=folder)),
         train_dataset=dataset,
         processing_class=tokenizer,
     )
@@ -123,14 +135,50 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
         text = _profile_text(ctx.startup_profiler)
         (out_dir / "startup_profile.txt").write_text(text)
         ctx.log_text(text, "startup_profile.txt")
+    resume = _checkpointing(cfg, trainer, ctx)
     with models.attention_kernels(cfg):
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     if ctx.profiler is not None and ctx.profiler.text:
         ctx.log_text(ctx.profiler.text, "profile.txt")
-    if cfg.trainer.save_adapter:
+    if ctx.attempt is not None:  # a single run keeps its adapter: beside its checkpoints, and on its MLflow run
+        from src.checkpoints import ADAPTER
+
+        adapter = ctx.attempt.folder / ADAPTER
+        trainer.model.save_pretrained(adapter)
+        ctx.log_artifacts(adapter, ADAPTER)
+    elif cfg.trainer.save_adapter:
         adapter = out_dir / "adapter"
         trainer.model.save_pretrained(adapter)
         ctx.log_artifacts(adapter, "adapter")
+
+
+def _checkpointing(cfg: DictConfig, trainer: Any, ctx: TrialContext) -> str | None:
+    """An attempt's checkpoints (src/checkpoints.py): the data order a resume repeats exactly, the rows seen, the
+    saves committed whole; the checkpoint it continues from (None: the start)."""
+    attempt = ctx.attempt
+    if attempt is None:
+        return None
+    from src import checkpoints as ck
+
+    ck.seeded_length_sampler(trainer, int(cfg.trainer.seed))
+    ck.keep_adapter_dtype(trainer)
+    attempt.rows = ck.RowLedger(trainer)
+    attempt.rows.load(attempt.resume_from)
+    every_s = None if cfg.trainer.save_steps else float(cfg.checkpoint.every_minutes) * 60
+    attempt.checkpoints = ck.Checkpoints(
+        attempt.folder, every_s, int(cfg.checkpoint.keep), attempt.ledger, attempt.rows, ctx.fault.at_save
+    )
+    attempt.checkpoints.after_commit = ctx.meas.restart_clock
+    trainer.add_callback(attempt.checkpoints.callback)
+    return str(attempt.resume_from) if attempt.resume_from is not None else None
+
+
+def _save_failed(exc: BaseException, attempt: Any) -> bool:
+    """A checkpoint's save refused for want of space (src/checkpoints.py full_disk)."""
+    from src.checkpoints import full_disk
+
+    saving = attempt.checkpoints is not None and attempt.checkpoints.save_began is not None
+    return saving and full_disk(exc)
 
 
 def _callbacks(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> list[Any]:
@@ -141,7 +189,10 @@ def _callbacks(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> list[Any]:
 
     probe = ctx.attention = AttentionProbe(at_step=max(1, cfg.measure.warmup_steps))
     guards = preflight.CheckpointingGuard(cfg.trainer.gradient_checkpointing)
-    callbacks = [probe, ctx.meas, guards, FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank)]
+    # A single run's fault fires on its first `fault.times` attempts, as a transient fault would; a probe's always.
+    fires = ctx.attempt is None or ctx.attempt.index < cfg.fault.times
+    ctx.fault = FaultInjector(cfg.fault.kind, cfg.fault.step, cfg.fault.rank, during=cfg.fault.during, fires=fires)
+    callbacks = [probe, ctx.meas, guards, ctx.fault]
     if cfg.measure.get("soak_minutes") is not None:  # a soak (src/sweep/soak.py): an epoch and the minutes, then stop
         from src.measure.soak import SoakStop
 
@@ -236,8 +287,14 @@ def record(cfg: DictConfig, out_dir: Path, ctx: TrialContext, failure: Failure |
         tags[rec.ATTENTION_KERNEL] = ctx.kernel()
     ctx.set_tags(tags)
     result = rec.result_of(status, ctx.run_id, metrics, failure, tags.get(rec.ATTENTION_KERNEL))
+    if ctx.attempt is not None:  # for the supervisor: where the attempt got to, and the rows it trained
+        result["last_step"] = meas.step if meas else 0
+        if ctx.attempt.rows is not None and ctx.trainer is not None:
+            state = ctx.trainer.state
+            result["rows"] = ctx.attempt.rows.summary(len(ctx.trainer.train_dataset), math.floor(state.epoch or 0))
     (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
-    ctx.client.set_terminated(ctx.run_id, "FAILED" if failure else "FINISHED")
+    if ctx.attempt is None:  # an attempt's run stays open: the supervisor ends it once the run is over
+        ctx.client.set_terminated(ctx.run_id, "FAILED" if failure else "FINISHED")
     return result
 
 
@@ -253,6 +310,6 @@ def _log_series(client: Any, run_id: str, meas: Any) -> None:
         for key in ("vram_reserved_gib", "vram_allocated_gib")
         if key in s
     ]
-    series += [Metric("loss", loss, now, i + 1) for i, loss in enumerate(meas.losses)]
+    series += [Metric("loss", loss, now, step) for step, loss in zip(meas.loss_steps, meas.losses, strict=True)]
     for i in range(0, len(series), 500):
         client.log_batch(run_id, metrics=series[i : i + 500])
