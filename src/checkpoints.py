@@ -328,12 +328,20 @@ class Checkpoints:
 _FULL_DISK = ("No space left on device", "StorageFull", "file write failed", "Disk quota exceeded")
 
 
-def full_disk(exc: BaseException) -> bool:
-    """Whether `exc` is a write refused for want of space: an OSError's ENOSPC, or the words torch's zip writer
-    (RuntimeError "file write failed") and safetensors (SafetensorError "StorageFull") use for it."""
+def full_disk(exc: BaseException, folder: Path | None = None) -> bool:
+    """Whether `exc`, raised while saving into `folder`, is a write refused for want of space: an OSError's ENOSPC,
+    the words safetensors (SafetensorError "StorageFull") or torch's zip writer ("file write failed") use for it, or
+    any error with less room left there than the last checkpoint took (torch's zip writer may only say "unexpected
+    pos 130560 vs 130448")."""
     if isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
         return True
-    return any(words in str(exc) for words in _FULL_DISK)
+    if any(words in str(exc) for words in _FULL_DISK):
+        return True
+    if folder is None or not folder.exists():
+        return False
+    last = last_checkpoint(folder)
+    needed = size_bytes(last) if last is not None else 2**20
+    return shutil.disk_usage(folder).free < needed
 
 
 def _disk_full(exc: OSError, folder: Path, staged: Path) -> OSError:

@@ -33,9 +33,7 @@ def main(cfg: DictConfig) -> dict:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     allocator_settings(cfg)
     if os.environ.get(RUN_DIR_ENV):  # an attempt of a single run, started by its supervisor's elastic agent
-        result, code = trial.run_attempt(cfg, out_dir)
-        if result["status"] != "ok":  # the supervisor says the rest
-            _said(cfg, out_dir, result)
+        _, code = trial.run_attempt(cfg, out_dir)  # its supervisor says how it went
         sys.exit(code)  # 1: the agent restarts it from the last checkpoint
     if cfg.hardware.parallelism == "data_parallel":
         if "LOCAL_RANK" in os.environ:  # a rank started by torch.distributed.run
@@ -63,7 +61,7 @@ def _said(cfg: DictConfig, out_dir: Path, result: dict) -> bool:
         return True
     failure = result["failure"]
     print(f"trial failed ({failure['kind']} at step {failure['step']}): {failure['message']}", file=sys.stderr)
-    if result.get("stop"):
+    if result.get("stop") and result["stop"] != failure["message"]:
         print(f"not restarted: {result['stop']}", file=sys.stderr)
     print(_where(cfg, out_dir, result["run_id"]), file=sys.stderr)
     return False

@@ -43,9 +43,11 @@ def run(cfg: DictConfig, out_dir: Path, attempt: Any = None) -> dict[str, Any]:
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then the process exits
         failure = failure_of(exc, ctx.meas)
         if attempt is not None and _save_failed(exc, attempt):
-            from src.checkpoints import disk_full
+            from src.checkpoints import clean_staging, disk_full
 
-            failure.message = str(disk_full(attempt.folder))
+            clean_staging(attempt.folder)  # the partial copy: never committed, and its space is wanted
+            failure.message = disk_full(attempt.folder).strerror
+            failure.step = ctx.meas.step if ctx.meas is not None else failure.step  # the checkpoint being saved
         name, trace = "traceback_launch_blocking.txt" if launch_blocking else "traceback.txt", traceback.format_exc()
         ctx.log_text(trace, name)
         (out_dir / name).write_text(redact.redact_text(trace))  # beside result.json, for the terminal
@@ -178,7 +180,7 @@ def _save_failed(exc: BaseException, attempt: Any) -> bool:
     from src.checkpoints import full_disk
 
     saving = attempt.checkpoints is not None and attempt.checkpoints.save_began is not None
-    return saving and full_disk(exc)
+    return saving and full_disk(exc, attempt.folder)
 
 
 def _callbacks(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> list[Any]:

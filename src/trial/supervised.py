@@ -143,13 +143,22 @@ def run_attempt(cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], int]:
     ledger.reload()
     entry = ledger.attempts[-1]
     entry.update(_ended(result, attempt, entry))
+    ck.clean_staging(folder)  # what the Trainer writes beside its checkpoints (a model card), or a save cut short
     if result["status"] == "ok":
         ledger.data["completed"] = ck.now_iso()
         ledger.data["adapter"] = str(folder / ck.ADAPTER)
     else:
         entry["stop"] = stop_reason(result["failure"], before)
     ledger.save()
-    return result, 1 if result["status"] != "ok" and entry["stop"] is None else 0
+    restart = result["status"] != "ok" and entry["stop"] is None
+    if restart:  # a stop is said by the supervisor, once the run is recorded
+        f = result["failure"]
+        print(
+            f"attempt {entry['attempt']} failed ({f['kind']} at step {f['step']}): {f['message']}; a fresh process "
+            "continues from the last checkpoint (checkpoint.max_restarts allowing)",
+            flush=True,
+        )
+    return result, 1 if restart else 0
 
 
 def _ended(result: dict[str, Any], attempt: Attempt, entry: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +306,9 @@ class _Deaths(logging.Handler):
     def __init__(self, ledger: ck.Ledger, out_dir: Path) -> None:
         super().__init__(logging.ERROR)
         self.ledger, self.out_dir = ledger, out_dir
-        logging.getLogger(self._LOGGER).addHandler(self)
+        log = logging.getLogger(self._LOGGER)
+        self.propagated, log.propagate = log.propagate, False  # said in our words instead (emit)
+        log.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
         if not str(record.msg).startswith("failed (exitcode") or not record.args:
@@ -315,9 +326,8 @@ class _Deaths(logging.Handler):
             _died(entry, kind, message, progress.get("step", 0) + 1 if progress.get("phase") == "training" else None)
             entry["ended"] = max(entry["launched"], progress.get("time", entry["ended"]))  # its last sign of life
             self.ledger.save()
-        if entry is not None:
-            f = entry.get("failure") or {}
-            print(f"attempt {entry['attempt']} failed ({f.get('kind')} at step {f.get('step')})", flush=True)
+            f = entry["failure"]
+            print(f"attempt {entry['attempt']} failed ({f['kind']} at step {f['step']}): {message}", flush=True)
 
     def interrupted(self) -> None:
         self.ledger.reload()
@@ -327,7 +337,9 @@ class _Deaths(logging.Handler):
             self.ledger.save()
 
     def close(self) -> None:
-        logging.getLogger(self._LOGGER).removeHandler(self)
+        log = logging.getLogger(self._LOGGER)
+        log.removeHandler(self)
+        log.propagate = self.propagated
         super().close()
 
 

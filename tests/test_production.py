@@ -1,0 +1,240 @@
+"""A single run survives the crash the user came with: checkpoints committed whole, a fresh process from the last
+one on the process's faults (not on the setting's), an exact resume, one MLflow run, the adapter kept.
+
+Each run is the tiny Llama in fp32 on the CPU, 12 rows for 2 epochs of 6 optimizer steps (batch 1 x accumulation
+2, group_by_length as the user's recipe), a checkpoint every 4 steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from src import checkpoints as ck
+from src.trial.supervised import stop_reason
+from tests.conftest import PROJECT_DIR, run_cli
+
+RUN = [
+    "data.max_rows=12",
+    "trainer.num_train_epochs=2",
+    "trainer.bf16=false",
+    "trainer.warmup_steps=0",
+    "trainer.save_steps=4",
+]
+STEPS, ROWS = 12, 12
+
+
+def _folder(root: Path) -> Path:
+    (folder,) = (root / "sweeps" / "runs").iterdir()
+    return folder
+
+
+def _ledger(root: Path) -> dict:
+    return json.loads((_folder(root) / ck.LEDGER).read_text())
+
+
+def _adapter(root: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(_folder(root) / ck.ADAPTER / "adapter_model.safetensors"))
+
+
+def _run(client_root: Path):
+    """The run's one MLflow run (every attempt records into it)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{client_root / 'mlruns' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("qlora-trials")
+    (run,) = client.search_runs([exp.experiment_id])
+    return client, run
+
+
+def _losses(client, run_id: str) -> dict[int, list[float]]:
+    by_step: dict[int, list[float]] = {}
+    for m in sorted(client.get_metric_history(run_id, "loss"), key=lambda m: (m.step, m.timestamp)):
+        by_step.setdefault(m.step, []).append(m.value)
+    return by_step
+
+
+def _rows_exact(ledger: dict) -> None:
+    """Every epoch trained each of the 12 rows once: none twice, none skipped."""
+    rows = ledger["attempts"][-1]["rows"]
+    assert rows["per_epoch"] == {"0": {"rows": ROWS, "distinct": ROWS}, "1": {"rows": ROWS, "distinct": ROWS}}
+    assert (rows["repeated"], rows["skipped"]) == (0, 0)
+
+
+@pytest.mark.slow(seconds=70)
+def test_a_launch_failure_resumes_and_trains_what_an_uninterrupted_run_trains(tmp_path: Path, cache_dir: Path) -> None:
+    env = {"QLORA_CACHE": str(cache_dir)}
+    plain, faulted = tmp_path / "plain", tmp_path / "faulted"
+    cmd = [sys.executable, "-m", "src.train", *RUN]
+    base = subprocess.Popen(cmd, cwd=PROJECT_DIR, env={**os.environ, **env, "QLORA_ROOT": str(plain)})
+    done = run_cli("src.train", *RUN, "fault=launch_failure", "fault.step=10", root=faulted, env=env)
+    assert base.wait(timeout=600) == 0
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "attempt 1 failed (launch_failure at step 10)" in done.stdout
+    assert "continuing from" in done.stdout and "checkpoint-8" in done.stdout
+
+    ledger = _ledger(faulted)
+    first, second = ledger["attempts"]
+    assert first["failure"]["kind"] == "launch_failure" and first["failure"]["step"] == 10
+    assert second["resumed_from_step"] == 8 and second["status"] == "ok"
+    _rows_exact(ledger)
+    _rows_exact(_ledger(plain))
+
+    # the same adapter as the run that never failed, bit for bit (<= 1e-6), and the same losses after the resume
+    a, b = _adapter(plain), _adapter(faulted)
+    assert a.keys() == b.keys()
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-6
+    client, run = _run(faulted)
+    plain_client, plain_run = _run(plain)
+    resumed, uninterrupted = _losses(client, run.info.run_id), _losses(plain_client, plain_run.info.run_id)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert resumed[9] == [uninterrupted[9][0]] * 2  # step 9: trained by both attempts, the same loss both times
+    for step in range(1, STEPS + 1):
+        assert resumed[step][-1] == pytest.approx(uninterrupted[step][0], abs=1e-6)
+
+    # one MLflow run: both attempts, the restart, what it cost, the checkpoints, the adapter
+    m, tags = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED" and tags["trial.status"] == "ok"
+    assert m["restarts"] == 1 and m["checkpoint.count"] >= 3 and m["checkpoint.size_mib"] > 0
+    assert m["lost_s"] > 0 and "checkpoint_overhead_frac" in m
+    assert tags["attempt.1.failure.kind"] == "launch_failure" and tags["attempt.1.failure.step"] == "10"
+    assert tags["attempt.2.resumed_from_step"] == "8" and tags["attempt.2.status"] == "ok"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"adapter", "run.json"} <= artifacts
+    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json"} <= {
+        a.path for a in client.list_artifacts(run.info.run_id, "adapter")
+    }
+
+
+@pytest.mark.slow(seconds=50)
+def test_sigkill_of_the_run_then_the_same_command_continues_from_the_last_checkpoint(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    # The first attempt hangs at step 6, once checkpoint-4 is committed; the test then kills the whole run (every
+    # process of it, as a machine that dies would). The same command again continues; its fault has fired already.
+    same = [*RUN, "fault=hang", "fault.step=6"]
+    env = {**os.environ, "QLORA_ROOT": str(tmp_path), "QLORA_CACHE": str(cache_dir)}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "src.train", *same], cwd=PROJECT_DIR, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        runs = tmp_path / "sweeps" / "runs"
+        if runs.exists() and any(runs.iterdir()) and ck.last_checkpoint(_folder(tmp_path)) is not None:
+            progress = list((tmp_path / "sweeps" / "single").glob("*/progress.json"))
+            if progress and json.loads(progress[0].read_text()).get("step") == 5:
+                break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the run never reached its hang at step 6")
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait(timeout=30)
+
+    done = run_cli("src.train", *same, root=tmp_path, env={"QLORA_CACHE": str(cache_dir)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "attempt 1 ended without a record" in done.stdout
+    ledger = _ledger(tmp_path)
+    first, second = ledger["attempts"]
+    assert first["failure"]["kind"] == "killed"
+    assert second["resumed_from_step"] == 4 and second["status"] == "ok"
+    _rows_exact(ledger)
+    client, mlflow_run = _run(tmp_path)  # still one run
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.metrics["restarts"] == 1
+
+    # finished: the same command again trains nothing, and says how to start over
+    again = run_cli("src.train", *same, root=tmp_path, env={"QLORA_CACHE": str(cache_dir)})
+    assert again.returncode == 0 and "this run finished" in again.stdout and "checkpoint.resume=false" in again.stdout
+
+
+@pytest.mark.slow(seconds=45)
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_in_use(tmp_path: Path, cache_dir: Path) -> None:
+    done = run_cli(
+        "src.train", *RUN, "fault=kill", "fault.during=save", "fault.step=8", root=tmp_path,
+        env={"QLORA_CACHE": str(cache_dir)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ledger = _ledger(tmp_path)
+    first, second = ledger["attempts"]
+    assert first["failure"]["kind"] == "killed"
+    assert 8 not in [c["step"] for c in ledger["checkpoints"] if c["at_s"] < first["ended"]]
+    assert second["resumed_from_step"] == 4  # checkpoint-8 was staged, never committed
+    _rows_exact(ledger)
+    assert not (_folder(tmp_path) / ck.STAGING).exists() or not any((_folder(tmp_path) / ck.STAGING).iterdir())
+
+
+@pytest.mark.slow(seconds=40)
+def test_an_oom_at_the_same_step_twice_stops_without_a_third_attempt(tmp_path: Path, cache_dir: Path) -> None:
+    done = run_cli(
+        "src.train", *RUN, "fault=oom", "fault.step=6", "fault.times=5", root=tmp_path,
+        env={"QLORA_CACHE": str(cache_dir)},
+    )  # fmt: skip
+    assert done.returncode == 1
+    ledger = _ledger(tmp_path)
+    assert [a["failure"]["kind"] for a in ledger["attempts"]] == ["oom", "oom"]
+    assert "oom at step 6 on two attempts" in done.stderr and "data.max_seq_length" in done.stderr
+    _, run = _run(tmp_path)
+    assert run.info.status == "FAILED" and run.data.tags["failure.kind"] == "oom" and run.data.metrics["restarts"] == 1
+
+
+@pytest.mark.slow(seconds=30)
+def test_a_full_disk_during_a_save_says_so_in_one_line_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a disk that fills up) needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # room for one checkpoint of the tiny model (~0.75 MB) and the run's ledger, not for a second beside it
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1100k", "tmpfs", str(disk)], check=False)
+    if mounted.returncode != 0:
+        pytest.skip("tmpfs could not be mounted here")
+    try:
+        done = run_cli(
+            "src.train", *RUN, f"checkpoint.dir={disk / 'run'}", root=tmp_path, env={"QLORA_CACHE": str(cache_dir)}
+        )
+        assert done.returncode == 1
+        said = [line for line in done.stderr.splitlines() if "no space left" in line]
+        assert len(said) == 1, done.stderr[-3000:]
+        assert "checkpoint-4 is kept" in said[0] and "checkpoint.dir" in said[0]
+        assert "Traceback" not in done.stderr
+        ledger = json.loads((disk / "run" / ck.LEDGER).read_text())
+        assert len(ledger["attempts"]) == 1  # not restarted: the disk is as full the second time
+        assert [p.name for p in ck.committed(disk / "run")] == ["checkpoint-4"]
+        state = json.loads((disk / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+        assert state["global_step"] == 4
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_the_process_faults_restart_and_the_settings_stop() -> None:
+    def fail(kind: str, step: int = 6, message: str = "boom") -> dict:
+        return {"kind": kind, "step": step, "message": message}
+
+    for kind in ("launch_failure", "illegal_memory_access", "device_assert", "segfault", "killed", "timeout"):
+        assert stop_reason(fail(kind), [{"failure": fail(kind)}]) is None  # as often as max_restarts allows
+    assert stop_reason(fail("oom"), []) is None  # once: fragmentation, or a neighbour on the card
+    assert "on two attempts" in stop_reason(fail("oom"), [{"failure": fail("oom")}])
+    assert stop_reason(fail("oom", step=7), [{"failure": fail("oom", step=6)}]) is None
+    for kind in ("nan_loss", "data_error", "config_error"):
+        assert stop_reason(fail(kind), []) is not None
+    assert stop_reason(fail("other", message=str(ck.disk_full(Path("/nonexistent")).strerror)), []) is not None
+
+
+def test_a_sweeps_probe_saves_nothing_and_a_runs_attempt_saves_whole_checkpoints(tmp_path: Path) -> None:
+    from src.config import sft_kwargs
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["trainer=probe", f"trainer.output_dir={tmp_path / 'trainer'}"])
+    assert sft_kwargs(cfg, use_cpu=True)["save_strategy"] == "no"
+    run = sft_kwargs(cfg, use_cpu=True, checkpoint_dir=tmp_path)
+    assert run["output_dir"] == str(tmp_path / ck.STAGING) and run["save_only_model"] is False
+    assert run["save_total_limit"] is None  # rotated by src/checkpoints.py once the new one is committed
