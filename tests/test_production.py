@@ -18,7 +18,7 @@ import pytest
 
 from src import checkpoints as ck
 from src.trial.supervised import stop_reason
-from tests.conftest import PROJECT_DIR, run_cli
+from tests.conftest import PROJECT_DIR, new_store, run_cli
 
 RUN = [
     "data.max_rows=12",
@@ -155,11 +155,23 @@ def test_sigkill_of_the_run_then_the_same_command_continues_from_the_last_checkp
     assert again.returncode == 0 and "this run finished" in again.stdout and "checkpoint.resume=false" in again.stdout
 
 
-@pytest.mark.slow(seconds=45)
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_in_use(tmp_path: Path, cache_dir: Path) -> None:
+@pytest.mark.slow(seconds=50)
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_in_use_and_the_adapter_is_registered(
+    tmp_path: Path, cache_dir: Path, empty_store: Path
+) -> None:
+    # promoted before: version 1 of the registry holds the setting (as src.promote registers a trial's run)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(new_store(tmp_path, empty_store))
+    trial = client.create_run(client.create_experiment("study")).info.run_id
+    client.create_registered_model("llama3-qlora")
+    tags = {"study": "study", "trial": "3", "mlflow_run_id": trial, "tokens_per_s": "123"}
+    client.create_model_version("llama3-qlora", f"runs:/{trial}", run_id=trial, tags=tags)
+    client.set_registered_model_alias("llama3-qlora", "production", "1")
+
     done = run_cli(
-        "src.train", *RUN, "fault=kill", "fault.during=save", "fault.step=8", root=tmp_path,
-        env={"QLORA_CACHE": str(cache_dir)},
+        "src.train", *RUN, "fault=kill", "fault.during=save", "fault.step=8", "tracking.registered_version=1",
+        root=tmp_path, env={"QLORA_CACHE": str(cache_dir)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     ledger = _ledger(tmp_path)
@@ -168,7 +180,33 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_in_use(tmp_path: Pa
     assert 8 not in [c["step"] for c in ledger["checkpoints"] if c["at_s"] < first["ended"]]
     assert second["resumed_from_step"] == 4  # checkpoint-8 was staged, never committed
     _rows_exact(ledger)
-    assert not (_folder(tmp_path) / ck.STAGING).exists() or not any((_folder(tmp_path) / ck.STAGING).iterdir())
+    assert not (_folder(tmp_path) / ck.STAGING).exists()
+
+    # the adapter it trained: version 2, beside the promoted setting's version 1, the alias on it
+    adapter = client.get_model_version_by_alias("llama3-qlora", "production")
+    run = client.get_run(ledger["run_id"])
+    assert str(adapter.version) == "2" and adapter.source == f"runs:/{run.info.run_id}/adapter"
+    assert adapter.tags["setting_version"] == "1" and adapter.tags["mlflow_run_id"] == trial
+    assert run.data.tags["registry.version"] == "2"
+    _generates_with(client, cache_dir)
+
+
+def _generates_with(client, cache_dir: Path) -> None:
+    """The README's way to use the production adapter: download it from the registry, load it on the base model
+    with peft, answer one question."""
+    import mlflow
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    version = client.get_model_version_by_alias("llama3-qlora", "production")
+    local = mlflow.artifacts.download_artifacts(version.source, tracking_uri=client._tracking_client.tracking_uri)
+    base = cache_dir / "tiny_llama"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), local)
+    chat = [{"role": "user", "content": "Mild swelling of the left ankle."}]
+    inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
 
 
 @pytest.mark.slow(seconds=40)

@@ -17,7 +17,7 @@ from src.config import study_name_problem
 from src.places import StudyNotFound, cli_parser, places
 from src.promote.choosing import ALLOW_UNSOAKED, NotPromotable, choose
 from src.promote.experiment import DEFAULT_EXPERIMENT_FILE, header, plan, trial_config
-from src.promote.registry import ALIAS, register, registry_state
+from src.promote.registry import ALIAS, register, registry_state, setting_version
 from src.study import Sweep, TrialRow, load
 
 PROMOTE_LOCK_TIMEOUT_S = 300
@@ -108,12 +108,15 @@ def _promote(
     """Register the trial (unless the alias already points at its run) and write its experiment file."""
     state = registry_state(client, model, tracking_uri)
     current = state.production
-    already = current is not None and current.run_id == row.run_id
-    version = str(current.version) if already else str(state.next_version)
+    # the alias may point at the adapter a production run trained from this trial's setting (its tags are the trial's)
+    already = current is not None and current.tags.get("mlflow_run_id", current.run_id) == row.run_id
+    version = setting_version(current) if already else str(state.next_version)
     path = args.experiment_file
     old = path.read_text() if path.exists() else ""
     argv = [a for a in argv if a != "--dry-run"]
     by_hand = args.trial is not None
+    # a production run registers the adapter it trains as a version of this model, beside this one
+    exp.values.update({"tracking.registered_model": model, "tracking.registered_version": int(version)})
     text = exp.text(header(sweep, row, exp, model, version, argv, by_hand))
     # the header's time stamp alone is not a change
     unchanged = bool(old) and _body(old) == _body(text) and _model_line(old) == _model_line(text)
@@ -139,6 +142,7 @@ def _promote(
             f"runs:/{row.run_id}/config/config.yaml."
         )
         version = str(register(client, model, sweep, row, description).version)
+        exp.values["tracking.registered_version"] = int(version)
         text = exp.text(header(sweep, row, exp, model, version, argv, by_hand))
         print(
             f"promoted trial {row.number} of study {sweep.name} ({_figures(sweep, row)}) -> {model} version "
