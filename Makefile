@@ -39,10 +39,10 @@ demo: $(VENV)/.installed
 	@echo
 	@echo "The map, the soak and the recommendation: sweeps/$(STUDY)/report.md (and its soak's log: sweeps/$(STUDY)/soak/)"
 	@echo "The promoted setting:  conf/experiment/production.yaml, and the MLflow registry's 'production' alias"
-	@echo "Its production trial:  the newest sweeps/single/<time>/ (result.json), MLflow experiment 'qlora-trials'"
+	@echo "Its production run:    sweeps/runs/<model>-<settings>/ (checkpoints, adapter/, run.json), MLflow experiment 'qlora-trials'"
 	@echo "Trials, metrics, soak: make ui  (MLflow at http://127.0.0.1:$(PORT), experiment '$(STUDY)')"
 	@echo "Everything else, in the venv: . $(VENV)/bin/activate   then python -m src.train, python -m src.report $(STUDY), ..."
-	@echo "Again: study '$(STUDY)' is complete: it is reported, its promotion found unchanged, its setting trained again; a fresh one: make demo STUDY=$(STUDY)2"
+	@echo "Again: study '$(STUDY)' is complete: it is reported, its promotion found unchanged, its production run found finished; a fresh one: make demo STUDY=$(STUDY)2"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src hydra_plugins tests benchmarks

@@ -86,6 +86,27 @@ def size_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
+def problems(cfg: DictConfig) -> list[str]:
+    """What in checkpoint.*, trainer.save_steps and fault.{times,during} cannot work, each with the key and a value
+    that would (checked before a run creates anything)."""
+    c, found = cfg.checkpoint, []
+    if not c.every_minutes > 0:
+        found.append(f"checkpoint.every_minutes={c.every_minutes}: minutes of training between saves, e.g. 10")
+    if c.keep < 1:
+        found.append(f"checkpoint.keep={c.keep}: the checkpoints kept, at least 1 (the one a resume continues from)")
+    if c.max_restarts < 0:
+        found.append(f"checkpoint.max_restarts={c.max_restarts}: restarts allowed, 0 or more, e.g. 3")
+    if not c.stall_timeout_s > 0:
+        found.append(f"checkpoint.stall_timeout_s={c.stall_timeout_s}: seconds without progress, e.g. 900")
+    if cfg.trainer.save_steps is not None and cfg.trainer.save_steps < 1:
+        found.append(f"trainer.save_steps={cfg.trainer.save_steps}: optimizer steps between saves, or null")
+    if cfg.fault.times < 1:
+        found.append(f"fault.times={cfg.fault.times}: the attempts the fault fires on, at least 1")
+    if cfg.fault.during not in ("step", "save"):
+        found.append(f"fault.during={cfg.fault.during}: step (when fault.step begins) or save (while it is saved)")
+    return found
+
+
 # ---- the ledger ----------------------------------------------------------------------------------------------------------
 
 

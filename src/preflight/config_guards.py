@@ -8,7 +8,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
-from src import gpus
+from src import checkpoints, gpus
 from src.failures import FAULT_KINDS
 from src.models import SDPA_BACKENDS, context_length
 from src.preflight.report import Report
@@ -34,6 +34,8 @@ def check_config(cfg: DictConfig, report: Report) -> None:
     _check_attention(cfg, report)
     if cfg.fault.kind not in FAULT_KINDS:
         report.add("fault", "error", f"fault.kind={cfg.fault.kind} is not one of {', '.join(FAULT_KINDS)}")
+    for problem in checkpoints.problems(cfg):
+        report.add("checkpoint", "error", problem)
 
 
 def _check_sizes(cfg: DictConfig, report: Report) -> None:

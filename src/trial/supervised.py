@@ -182,6 +182,10 @@ def supervise(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[str, Any]
     """The run: find or start its folder and MLflow run, train it in attempts under the elastic agent, and record
     the whole of it on one MLflow run. Returns the outcome (also written to result.json)."""
     stores.require(stores.of_trial(cfg))
+    problems = ck.problems(cfg)
+    if problems:  # before the run's folder or MLflow run is made
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        sys.exit(2)
     folder = ck.run_dir(cfg)
     if not cfg.checkpoint.resume and (aside := ck.start_over(folder)) is not None:
         print(f"checkpoint.resume=false: starting over; the run's earlier folder is now {aside}", flush=True)
