@@ -117,7 +117,7 @@ class TrainerConfig:
     save_adapter: bool = MISSING
     # A single run's checkpoint interval in optimizer steps (transformers' own name); null: every
     # checkpoint.every_minutes of training instead. Probes a sweep launches never checkpoint.
-    save_steps: int | None = None
+    save_steps: int | None = MISSING
 
 
 @dataclass

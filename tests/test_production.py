@@ -276,3 +276,25 @@ def test_a_sweeps_probe_saves_nothing_and_a_runs_attempt_saves_whole_checkpoints
     run = sft_kwargs(cfg, use_cpu=True, checkpoint_dir=tmp_path)
     assert run["output_dir"] == str(tmp_path / ck.STAGING) and run["save_only_model"] is False
     assert run["save_total_limit"] is None  # rotated by src/checkpoints.py once the new one is committed
+
+
+@pytest.mark.slow(seconds=60)
+def test_the_same_model_check_passes_the_same_rows_in_fewer_micro_steps_and_fails_twice_the_rows(
+    root: Path, cache_dir: Path
+) -> None:
+    from src.same_model import check
+
+    common = ["trainer.bf16=false", "trainer.warmup_steps=0"]
+    one_by_two = ["trainer.per_device_train_batch_size=1", "trainer.gradient_accumulation_steps=2"]
+    same = check(
+        one_by_two, ["trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=1"], 4, common
+    )
+    assert same["passed"], same
+    assert same["max_loss_diff"] <= 1e-4 and same["adapter_rel_diff"] <= 0.02
+    doubled = check(
+        one_by_two, ["trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=2"], 4, common
+    )
+    assert not doubled["passed"] and "4 rows per optimizer step against the reference's 2" in doubled["why"]
+    # the numbers discriminate too: the same rows at twice the learning rate do not train the same adapter
+    faster = check(one_by_two, [*one_by_two, "trainer.learning_rate=4e-5"], 4, common)
+    assert not faster["passed"] and faster["adapter_rel_diff"] > 0.02, faster
