@@ -1,6 +1,7 @@
 """A trial in this process: open its MLflow run, train with trl's SFTTrainer, measure, and record the outcome.
 
-Whatever happens inside, the trial's MLflow run ends (FINISHED or FAILED, never RUNNING) with
+Whatever happens inside, the trial's MLflow run ends (FINISHED or FAILED, never RUNNING; an attempt of a single run
+leaves that to its supervisor, src/trial/supervised.py) with
 `trial.status`, the failure's kind, step and first line, and the full traceback as an artifact; the outcome
 is also written to `<output dir>/result.json` for the sweep engine. A failure that kills the process
 outright (segfault, SIGKILL, a hang) is recorded by the engine from outside.

@@ -199,6 +199,15 @@ def supervise(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[str, Any]
     client, run_id = _open(cfg, ledger, folder, argv)
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ[RUN_DIR_ENV], os.environ[RUN_ENV] = str(folder), run_id
+    every = (
+        f"every {cfg.trainer.save_steps} steps"
+        if cfg.trainer.save_steps
+        else f"every {cfg.checkpoint.every_minutes:g} min of training"
+    )
+    print(
+        f"run {folder} (MLflow run {run_id}): checkpoints {every}, up to {cfg.checkpoint.max_restarts} restarts",
+        flush=True,
+    )
     deaths = _Deaths(ledger, out_dir)
     watch = _Stall(ledger, out_dir, float(cfg.checkpoint.stall_timeout_s))
     watch.start()
