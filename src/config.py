@@ -278,10 +278,10 @@ def packed_probe(cfg: DictConfig) -> bool:
     return cfg.trainer.max_steps > 0 and bool(cfg.trainer.packing)
 
 
-def sft_kwargs(cfg: DictConfig, use_cpu: bool, checkpoint_dir: Path | None = None) -> dict[str, Any]:
-    """trl.SFTConfig keyword arguments from our config: the users' older names mapped to today's. `checkpoint_dir`:
-    a single run's folder, whose checkpoints the Trainer writes into `.staging/` (src/checkpoints.py commits each
-    whole, asks for the saves by minutes and keeps the last checkpoint.keep); None: a probe, which saves nothing."""
+def sft_kwargs(cfg: DictConfig, use_cpu: bool, staging_dir: Path | None = None) -> dict[str, Any]:
+    """trl.SFTConfig keyword arguments from our config: the users' older names mapped to today's. `staging_dir`:
+    where a single run's Trainer writes its checkpoints (src/checkpoints.py commits each whole, asks for the saves by
+    the minute and keeps the last checkpoint.keep); None: a probe, which saves nothing."""
     t = cfg.trainer
     kwargs: dict[str, Any] = {name: t[name] for name in _SFT_FIELDS}
     kwargs["torch_compile"] = t.torch_compile is True  # "layers" is ours (src/models.py compile_layers)
@@ -307,13 +307,11 @@ def sft_kwargs(cfg: DictConfig, use_cpu: bool, checkpoint_dir: Path | None = Non
         disable_tqdm=True,
         use_cpu=use_cpu,
     )
-    if checkpoint_dir is None:
+    if staging_dir is None:
         kwargs["save_strategy"] = "no"
     else:
-        from src.checkpoints import STAGING
-
         kwargs.update(
-            output_dir=str(checkpoint_dir / STAGING),
+            output_dir=str(staging_dir),
             # transformers' own interval in steps; without it src/checkpoints.py asks for each save by the minute
             save_strategy="steps" if t.save_steps else "no",
             save_steps=t.save_steps or 500,

@@ -26,6 +26,8 @@ NOTE = "mlflow.note.content"
 # the tag holds {name, createdAt, updatedAt, state}, `state` a JSON string of the page's search facets and UI
 # state; a key the state omits takes the UI's default).
 VIEW_TAG = "mlflow.sharedViewState."
+# The registry's alias of the version in production: the promoted setting, or the adapter a run of it trained.
+ALIAS = "production"
 
 
 def params(config: dict[str, Any]) -> dict[str, str]:
@@ -248,3 +250,39 @@ def save_view(
     envelope = {"name": name, "createdAt": created or now, "updatedAt": now, "state": json.dumps(state)}
     client.set_experiment_tag(experiment_id, VIEW_TAG + key, json.dumps(envelope))
     return key
+
+
+def setting_version(version: Any) -> str:
+    """The version whose setting `version` holds: itself, or for an adapter a production run registered, the
+    promoted version it trained (its tag `setting_version`)."""
+    return str(version.tags.get("setting_version", version.version))
+
+
+def register_adapter(client: Any, name: str, version: int, run_id: str) -> str | None:
+    """A production run that finished: its adapter (`runs:/<run>/adapter`) as a new version of `name`, tagged as the
+    promoted `version` it trained (the same study, trial and figures) and with the run; the alias moves to it when it
+    still points at that setting (a newer promotion keeps it). Returns the new version, or None (with why) when
+    `version` is not in the registry."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        promoted = client.get_model_version(name, str(version))
+    except MlflowException:
+        print(f"registry: {name} has no version {version} (tracking.registered_version): adapter not registered")
+        return None
+    tags = {**promoted.tags, "adapter": "yes", "setting_version": str(version), "trained_by_run": run_id}
+    description = (
+        f"The adapter production run {run_id} trained from version {version}'s setting "
+        f"(trial {promoted.tags.get('trial')} of study {promoted.tags.get('study')}): runs:/{run_id}/adapter"
+    )
+    new = client.create_model_version(
+        name, f"runs:/{run_id}/adapter", run_id=run_id, tags=tags, description=description
+    )
+    try:
+        current = client.get_model_version_by_alias(name, ALIAS)
+    except MlflowException:
+        current = None
+    if current is None or setting_version(current) == str(version):
+        client.set_registered_model_alias(name, ALIAS, new.version)
+    set_tags(client, run_id, {"registry.model": name, "registry.version": new.version})
+    return str(new.version)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from src import quiet
 from src.config import register_configs
 from src.handoff import RUN_ENV, die_with_parent
-from src.trial.supervised import RUN_DIR_ENV, drop_elastic_env
+from src.trial.attempts import RUN_DIR_ENV, drop_elastic_env
 
 quiet.install()  # before torch, transformers, peft, bitsandbytes, optuna load: their harmless warnings (src/quiet.py)
 register_configs()

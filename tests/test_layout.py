@@ -24,6 +24,10 @@ PRIVATE_ALLOWED = {
     "self.storage._get_stale_trial_ids": "Optuna's stale trials without failing them: their records are read first",
     "layer._gradient_checkpointing_func": "transformers' checkpoint call of a decoder layer (set by its "
     "activation_checkpointing_enable, no getter): selective recompute compiles it with the layer in it",
+    "trainer._get_train_sampler": "the Trainer's one place that builds the training sampler (no argument sets "
+    "LengthGroupedSampler's generator): a resumed group_by_length epoch must be ordered as the interrupted one",
+    "trainer._load_from_checkpoint": "the Trainer's reload of a checkpoint's adapter, which upcasts a bf16 adapter "
+    "(peft's autocast_adapter_dtype, no argument reaches it): a resume keeps the adapter's dtype",
 }
 
 
@@ -48,11 +52,20 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "the stores and the data",
-        ("src.tracking", "src.stores", "src.faults", "src.tables", "src.data", "src.fit.setting", "src.fit.model"),
+        (
+            "src.tracking",
+            "src.stores",
+            "src.faults",
+            "src.tables",
+            "src.data",
+            "src.checkpoints",
+            "src.fit.setting",
+            "src.fit.model",
+        ),
     ),
     ("the model, its measurement and its checks", ("src.models", "src.measure", "src.preflight")),
     ("the memory model's fit", ("src.fit",)),
-    ("one trial", ("src.trial",)),
+    ("one trial", ("src.trial", "src.same_model")),
     ("a study as it is read", ("src.places", "src.study")),
     ("the sweep", ("src.sweep",)),
     ("the report", ("src.report",)),

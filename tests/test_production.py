@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from src import checkpoints as ck
-from src.trial.supervised import stop_reason
+from src.trial.attempts import stop_reason
 from tests.conftest import PROJECT_DIR, new_store, run_cli
 
 RUN = [
@@ -273,7 +273,7 @@ def test_a_sweeps_probe_saves_nothing_and_a_runs_attempt_saves_whole_checkpoints
 
     cfg = compose_cfg(["trainer=probe", f"trainer.output_dir={tmp_path / 'trainer'}"])
     assert sft_kwargs(cfg, use_cpu=True)["save_strategy"] == "no"
-    run = sft_kwargs(cfg, use_cpu=True, checkpoint_dir=tmp_path)
+    run = sft_kwargs(cfg, use_cpu=True, staging_dir=tmp_path / ck.STAGING)
     assert run["output_dir"] == str(tmp_path / ck.STAGING) and run["save_only_model"] is False
     assert run["save_total_limit"] is None  # rotated by src/checkpoints.py once the new one is committed
 

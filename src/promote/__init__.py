@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from src.promote.choosing import NotPromotable, choose, why_none
 from src.promote.experiment import DEFAULT_EXPERIMENT_FILE, Experiment, differences, header, plan, trial_config
-from src.promote.registry import ALIAS, register, registry_state
+from src.promote.registry import register, registry_state
+from src.tracking import ALIAS
 
 __all__ = [
     "ALIAS",

@@ -17,8 +17,9 @@ from src.config import study_name_problem
 from src.places import StudyNotFound, cli_parser, places
 from src.promote.choosing import ALLOW_UNSOAKED, NotPromotable, choose
 from src.promote.experiment import DEFAULT_EXPERIMENT_FILE, header, plan, trial_config
-from src.promote.registry import ALIAS, register, registry_state, setting_version
+from src.promote.registry import register, registry_state
 from src.study import Sweep, TrialRow, load
+from src.tracking import ALIAS, setting_version
 
 PROMOTE_LOCK_TIMEOUT_S = 300
 
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--margin {args.margin:g}: a share of the budget, from 0 to 1, e.g. 0.10")
     where = places(args.tracking_uri)
     model = args.registered_model or where.registered_model
+    if why := redact.refusal("--registered-model", model):  # a registry name is shown to everyone who reads it
+        p.error(why)
+    if why := not_ours(args.experiment_file):
+        p.error(why)
     tracking_key = "--tracking-uri" if args.tracking_uri else "tracking.uri"
     try:
         stores.check(stores.of_results(args.storage, where.tracking_uri, tracking_key, write=not args.dry_run))
@@ -153,6 +158,22 @@ def _promote(
     return 0
 
 
+HEADER = "# Production settings, written by: python -m src.promote"
+
+
+def not_ours(path: Path) -> str | None:
+    """Why promotion must not write `path`: a link, or a file it did not write (its header). A new file is fine."""
+    if path.is_symlink():
+        return f"--experiment-file {path} is a symbolic link: promotion writes only files of its own; name the file"
+    lines = path.read_text(errors="replace").splitlines()[:2] if path.is_file() else []
+    if path.exists() and not (len(lines) == 2 and lines[1].startswith(HEADER)):
+        return (
+            f"--experiment-file {path} exists and was not written by python -m src.promote (no '{HEADER}' header): "
+            "promotion replaces only its own files; name a new file, e.g. conf/experiment/production.yaml"
+        )
+    return None
+
+
 def _figures(sweep: Sweep, row: TrialRow) -> str:
     m = row.metrics
     return (
@@ -168,8 +189,11 @@ def _diff(old: str, new: str, path: Path) -> str:
 
 
 def _write(path: Path, text: str) -> None:
-    """The experiment file, replaced at once (a reader never sees half of it), and how to use it."""
+    """The experiment file, replaced at once (a reader never sees half of it), the one it replaces kept beside it
+    (`<name>.prev`, for review: the file is not committed, so there is no diff to read), and how to use it."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and _body(path.read_text()) != _body(text):
+        os.replace(path, path.with_name(f"{path.name}.prev"))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

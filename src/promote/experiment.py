@@ -17,9 +17,9 @@ from src import redact
 from src.config import PROJECT_DIR, compose, flatten
 from src.places import store_exists
 from src.promote.choosing import NotPromotable
-from src.promote.registry import ALIAS
 from src.report import fmt
 from src.study import Sweep, TrialRow
+from src.tracking import ALIAS
 
 DEFAULT_EXPERIMENT_FILE = PROJECT_DIR / "conf" / "experiment" / "production.yaml"
 # Groups and key prefixes that say where a run records or how a sweep tests, not what is trained: never
@@ -219,7 +219,8 @@ def header(
         )
     lines = [
         f"Production settings, written by: python -m src.promote {' '.join(argv)}".rstrip(),
-        f"on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. Review the diff; train with:",
+        f"on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. The file it replaced, if any, is kept beside it as",
+        f"{DEFAULT_EXPERIMENT_FILE.name}.prev (python -m src.promote --dry-run shows a change first). Train it with:",
         "  python -m src.train experiment=production",
         "",
         f"study:      {sweep.name} (storage {sweep.storage})",

@@ -2,8 +2,9 @@
 (data_parallel.py); both hold a `TrialContext` and open and describe their run alike (context.py). src/handoff.py
 names what a trial and the sweep engine tell each other."""
 
+from src.trial.attempts import run_attempt
 from src.trial.data_parallel import run_data_parallel, run_rank
 from src.trial.single import run
-from src.trial.supervised import run_attempt, supervise
+from src.trial.supervised import supervise
 
 __all__ = ["run", "run_attempt", "run_data_parallel", "run_rank", "supervise"]

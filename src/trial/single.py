@@ -115,10 +115,10 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
         reordered = recompute.base_last(model)  # none without 4-bit LoRA down_proj: then it recomputes as full does
         print(f"trainer.recompute=no_down: {reordered} down_proj products computed after their LoRA terms", flush=True)
         ctx.set_tags({"trial.recompute_reordered": reordered})
-    folder = ctx.attempt.folder if ctx.attempt is not None else None
+    staging = ctx.attempt.checkpoints_staging if ctx.attempt is not None else None
     trainer = SFTTrainer(  # trl casts the adapters to bf16 on a 4-bit base, as it does with a peft_config
         model=model,
-        args=SFTConfig(**sft_kwargs(cfg, use_cpu=not torch.cuda.is_available(), checkpoint_dir=folder)),
+        args=SFTConfig(**sft_kwargs(cfg, use_cpu=not torch.cuda.is_available(), staging_dir=staging)),
         train_dataset=dataset,
         processing_class=tokenizer,
     )

@@ -1,9 +1,10 @@
 """A single run that survives its process's faults: `python -m src.train` (experiment=production included; never a
-sweep's probe) is one MLflow run whose training happens in attempts, each a fresh process started by torch's
-elastic agent (the launcher that also starts data-parallel trials), each continuing from the last checkpoint.
+sweep's probe) is one MLflow run whose training happens in attempts (src/trial/attempts.py), each a fresh process
+started by torch's elastic agent (the launcher that also starts data-parallel trials), each continuing from the
+last checkpoint.
 
 - The agent restarts an attempt that exits non-zero, up to `checkpoint.max_restarts` times. An attempt decides
-  (`stop_reason`) whether its failure is the process's (launch failure, illegal address, device assert, cuBLAS,
+  (`attempts.stop_reason`) whether its failure is the process's (launch failure, illegal address, device assert, cuBLAS,
   NCCL, a kill, a segfault, a hang: worth a fresh process) or the setting's (an OOM at the same step twice, a NaN
   loss, a data or config error, a full disk: a restart would fail the same way), and in the second case records
   it and exits 0, so that the agent restarts nothing. An attempt that dies without a word (a signal) is the
@@ -25,155 +26,15 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from src import checkpoints as ck
-from src import redact, stores
-from src.handoff import PROGRESS_FILE, RESULT_FILE, RUN_ENV, trial_started
-
-RUN_DIR_ENV = "QLORA_RUN_DIR"  # set by the supervisor: this process is an attempt of the run in that folder
-# The elastic agent's variables for a worker of a distributed job; an attempt is one process and trains as a plain
-# single-process run, so it drops them before transformers reads them (transformers would set up a process group).
-_ELASTIC_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_NAME",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-)
-# The process's faults: a fresh process from the last checkpoint may well get past them.
-PROCESS_FAULTS = (
-    "launch_failure",
-    "illegal_memory_access",
-    "device_assert",
-    "cublas",
-    "nccl",
-    "segfault",
-    "killed",
-    "timeout",
-    "host_oom",
-)
-# Failures that may be the process's once (fragmentation, a transient fault) but are the setting's when they come
-# back at the same step.
-_TWICE = ("oom", "other")
-_ADVICE = {
-    "oom": (
-        "the setting needs more memory than the card has: lower data.max_seq_length or "
-        "trainer.per_device_train_batch_size, or set trainer.gradient_checkpointing=true (python -m src.fit shows "
-        "what fits)"
-    ),
-    "nan_loss": "a restart would replay the same steps: lower trainer.learning_rate or raise trainer.warmup_steps",
-    "other": "a restart does not get past it: see the attempt's traceback",
-}
-
-
-def stop_reason(failure: dict[str, Any], before: list[dict[str, Any]]) -> str | None:
-    """None: restart from the last checkpoint. Else the line that says why not, and what to change."""
-    kind, step, message = failure["kind"], failure.get("step"), str(failure.get("message", ""))
-    if "no space left" in message.lower():
-        return message  # src.checkpoints.disk_full: what was kept and what to do
-    if kind in PROCESS_FAULTS:
-        return None
-    if kind in _TWICE:
-        again = [a for a in before if (a.get("failure") or {}).get("kind") == kind and a["failure"].get("step") == step]
-        if not again:
-            return None
-        return f"{kind} at step {step} on two attempts: {_ADVICE[kind]}"
-    return f"{kind}: {_ADVICE.get(kind, 'change what the message names, then run the same command again')}"
-
-
-def drop_elastic_env() -> int:
-    """In an attempt, first thing: the agent's restart count (0 for its first process), and the agent's variables
-    dropped."""
-    restarts = int(os.environ.pop("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    for name in [*_ELASTIC_VARS, *(k for k in os.environ if k.startswith("TORCHELASTIC_"))]:
-        os.environ.pop(name, None)
-    return restarts
-
-
-# ---- an attempt (the worker's side) ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Attempt:
-    """One attempt of a run, as the trial that trains it sees it (TrialContext.attempt)."""
-
-    folder: Path
-    ledger: ck.Ledger
-    index: int  # 0 for the run's first attempt, across every command that continued it
-    resume_from: Path | None
-    checkpoints: ck.Checkpoints | None = None  # set once the trainer is built
-    rows: ck.RowLedger | None = None
-
-
-def run_attempt(cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], int]:
-    """Train one attempt of the run in RUN_DIR_ENV: continue from its last checkpoint, record the outcome in the
-    ledger, and say how to exit: 1 to be restarted by the agent, 0 when done (finished, or stopped for good)."""
-    from src.trial import single
-
-    folder = Path(os.environ[RUN_DIR_ENV])
-    ledger = ck.Ledger(folder)
-    ck.clean_staging(folder)
-    last = ck.last_checkpoint(folder)
-    entry: dict[str, Any] = {
-        "attempt": len(ledger.attempts) + 1,
-        "pid": os.getpid(),
-        "launched": trial_started(),
-        "resumed_from_step": ck.step_of(last),
-        "out_dir": str(out_dir),
-    }
-    before = list(ledger.attempts)
-    ledger.attempts.append(entry)
-    ledger.save()
-    attempt = Attempt(folder, ledger, len(before), last)
-    if last is not None:
-        print(f"attempt {entry['attempt']}: continuing from {last}", flush=True)
-    result = single.run(cfg, out_dir, attempt=attempt)
-    ledger.reload()
-    entry = ledger.attempts[-1]
-    entry.update(_ended(result, attempt, entry))
-    ck.clean_staging(folder)  # what the Trainer writes beside its checkpoints (a model card), or a save cut short
-    if result["status"] == "ok":
-        ledger.data["completed"] = ck.now_iso()
-        ledger.data["adapter"] = str(folder / ck.ADAPTER)
-    else:
-        entry["stop"] = stop_reason(result["failure"], before)
-    ledger.save()
-    restart = result["status"] != "ok" and entry["stop"] is None
-    if restart:  # a stop is said by the supervisor, once the run is recorded
-        f = result["failure"]
-        print(
-            f"attempt {entry['attempt']} failed ({f['kind']} at step {f['step']}): {f['message']}; a fresh process "
-            "continues from the last checkpoint (checkpoint.max_restarts allowing)",
-            flush=True,
-        )
-    return result, 1 if restart else 0
-
-
-def _ended(result: dict[str, Any], attempt: Attempt, entry: dict[str, Any]) -> dict[str, Any]:
-    m = result.get("metrics", {})
-    out: dict[str, Any] = {"ended": time.time(), "status": result["status"], "failure": result.get("failure")}
-    if "startup_s" in m:
-        out["train_began"] = entry["launched"] + m["startup_s"]
-    saved = attempt.checkpoints.saved if attempt.checkpoints else []
-    if saved:
-        out["last_commit"] = saved[-1]["at_s"]
-    out["last_step"] = result.get("last_step")
-    if attempt.rows is not None:
-        out["rows"] = result.get("rows")
-    return out
-
+from src import redact, stores, tracking
+from src.handoff import PROGRESS_FILE, RESULT_FILE, RUN_ENV
+from src.trial.attempts import RUN_DIR_ENV
 
 # ---- the supervisor (the parent's side) -------------------------------------------------------------------------------
 
@@ -182,8 +43,8 @@ def supervise(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[str, Any]
     """The run: find or start its folder and MLflow run, train it in attempts under the elastic agent, and record
     the whole of it on one MLflow run. Returns the outcome (also written to result.json)."""
     stores.require(stores.of_trial(cfg))
-    problems = ck.problems(cfg)
-    if problems:  # before the run's folder or MLflow run is made
+    problems = ck.problems(cfg) + _secrets(cfg)
+    if problems:  # before the run's folder or MLflow run is made (a token in tracking.experiment would name both)
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(2)
     folder = ck.run_dir(cfg)
@@ -222,6 +83,16 @@ def supervise(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[str, Any]
     return _record(cfg, ledger, folder, client, run_id, out_dir)
 
 
+def _secrets(cfg: DictConfig) -> list[str]:
+    """preflight's secrets check, before anything is named after the config's values."""
+    from src.preflight.report import Report
+    from src.preflight.secrets import check_secrets
+
+    report = Report()
+    check_secrets(cfg, report)
+    return [f.message for f in report.errors]
+
+
 def _refuse(cfg: DictConfig, ledger: ck.Ledger, folder: Path) -> str | None:
     """An explicit checkpoint.dir that holds another setting's run is not continued with this one."""
     recorded = ledger.data.get("fingerprint")
@@ -254,8 +125,6 @@ def _already_done(ledger: ck.Ledger, folder: Path) -> dict[str, Any]:
 def _open(cfg: DictConfig, ledger: ck.Ledger, folder: Path, argv: list[str]) -> tuple[Any, str]:
     """The run's MLflow run: the one its ledger names (RUNNING again), or a new one named after the folder."""
     from mlflow.tracking import MlflowClient
-
-    from src import tracking
 
     tracking.setup(cfg.tracking.uri)
     client = MlflowClient()
@@ -438,7 +307,6 @@ def _record(
     """The run's outcome on its MLflow run: each attempt (tags attempt.<n>.*, metrics by attempt), the totals, the
     ledger as an artifact; the adapter's registration; result.json; the run ended."""
     from src import record as rec
-    from src import tracking
 
     m = summary(ledger)
     ledger.data["metrics"] = m
@@ -465,9 +333,9 @@ def _record(
     tracking.set_tags(client, run_id, tags)
     tracking.log_text(client, run_id, json.dumps(ledger.data, indent=2), "run.json")
     if completed and cfg.tracking.registered_version is not None:
-        from src.promote.registry import register_adapter
-
-        version = register_adapter(client, cfg.tracking.registered_model, int(cfg.tracking.registered_version), run_id)
+        version = tracking.register_adapter(
+            client, cfg.tracking.registered_model, int(cfg.tracking.registered_version), run_id
+        )
         if version is not None:
             print(f"registered its adapter: {cfg.tracking.registered_model} version {version}", flush=True)
     client.set_terminated(run_id, "FINISHED" if completed else "FAILED")
