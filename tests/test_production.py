@@ -18,7 +18,7 @@ import pytest
 
 from src import checkpoints as ck
 from src.trial.attempts import stop_reason
-from tests.conftest import PROJECT_DIR, new_store, run_cli
+from tests.conftest import PROJECT_DIR, new_store, run_cli, run_main
 
 RUN = [
     "data.max_rows=12",
@@ -298,3 +298,34 @@ def test_the_same_model_check_passes_the_same_rows_in_fewer_micro_steps_and_fail
     # the numbers discriminate too: the same rows at twice the learning rate do not train the same adapter
     faster = check(one_by_two, [*one_by_two, "trainer.learning_rate=4e-5"], 4, common)
     assert not faster["passed"] and faster["adapter_rel_diff"] > 0.02, faster
+
+
+def test_promotion_writes_only_its_own_files_and_refuses_a_secret_name(
+    root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from src.promote import __main__ as promote
+
+    config = root / "train.yaml"
+    config.write_text("defaults:\n  - train_schema\n")  # the project's main config, say
+    link = root / "link.yaml"
+    link.symlink_to(config)
+    for target in (config, link):
+        with pytest.raises(SystemExit) as refused:
+            run_main(promote.main, ["--experiment-file", str(target)], root, monkeypatch, capsys)
+        assert refused.value.code == 2
+    assert config.read_text() == "defaults:\n  - train_schema\n"
+    token = "hf_" + "a1B2c3D4e5F6g7H8i9J0kLmNoPqRsTuVwX"
+    with pytest.raises(SystemExit):
+        run_main(promote.main, ["--registered-model", token], root, monkeypatch, capsys)
+    assert token not in capsys.readouterr().err
+    assert not (root / "mlruns").exists()  # refused before any store was opened
+    # a file promotion wrote (its header) is replaced, and the one it replaces is kept beside it for review
+    ours = root / "production.yaml"
+    ours.write_text(
+        "# @package _global_\n# Production settings, written by: python -m src.promote demo\nlora:\n  r: 8\n"
+    )
+    assert promote.not_ours(ours) is None
+    promote._write(
+        ours, "# @package _global_\n# Production settings, written by: python -m src.promote\nlora:\n  r: 4\n"
+    )
+    assert "r: 8" in (root / "production.yaml.prev").read_text() and "r: 4" in ours.read_text()

@@ -36,3 +36,17 @@ def test_the_bar_shows_loss_tokens_per_second_and_peak_memory() -> None:
     text = shown.getvalue()
     assert "1/3" in text and "loss=2.500" in text and "tok/s=2000" in text, text
     assert "peak=0.12 GiB" in text or ("peak=" in text and "GiB" in text), text
+
+
+def test_without_a_terminal_the_progress_is_a_line_now_and_then() -> None:
+    written = io.StringIO()  # a file: no terminal
+    meas = SimpleNamespace(steps=[{"time_s": 0.5, "tokens": 1000}], host=SimpleNamespace(peak_gib=lambda: 0.12))
+    bar = progress.ProgressBar(meas, file=written, line_every_s=3600)
+    bar.on_train_begin(None, SimpleNamespace(max_steps=3, global_step=0), None)
+    bar.on_log(None, SimpleNamespace(global_step=1), None, logs={"loss": 2.5})
+    for step in (1, 2, 3):
+        bar.on_step_end(None, SimpleNamespace(global_step=step, max_steps=3), None)
+    lines = written.getvalue().splitlines()
+    assert len(lines) == 2, lines  # the first step, then none within the interval but the last
+    assert lines[0].startswith("step 1/3: loss 2.500, tok/s 2000, peak 0.12 GiB, 0m0")
+    assert lines[1].startswith("step 3/3:")
