@@ -83,14 +83,18 @@ def supervise(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[str, Any]
     return _record(cfg, ledger, folder, client, run_id, out_dir)
 
 
-def _secrets(cfg: DictConfig) -> list[str]:
-    """preflight's secrets check, before anything is named after the config's values."""
-    from src.preflight.report import Report
-    from src.preflight.secrets import check_secrets
+# The keys a run names things after before its attempt's preflight runs: a credential there would be written into
+# the store as an experiment's name or onto the disk as a folder's. Others are refused by the attempt's preflight,
+# which records the refusal (redacted) on the run.
+_NAMING_KEYS = ("tracking.experiment", "tracking.registered_model", "checkpoint.dir", "model.name")
 
-    report = Report()
-    check_secrets(cfg, report)
-    return [f.message for f in report.errors]
+
+def _secrets(cfg: DictConfig) -> list[str]:
+    """A credential in a key the run names something after, refused before anything is named."""
+    from omegaconf import OmegaConf
+
+    found = (redact.refusal(key, OmegaConf.select(cfg, key, default=None)) for key in _NAMING_KEYS)
+    return [why for why in found if why]
 
 
 def _refuse(cfg: DictConfig, ledger: ck.Ledger, folder: Path) -> str | None:
