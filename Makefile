@@ -42,7 +42,7 @@ demo: $(VENV)/.installed
 	@echo "Its production run:    sweeps/runs/<model>-<settings>/ (checkpoints, adapter/, run.json), MLflow experiment 'qlora-trials'"
 	@echo "Trials, metrics, soak: make ui  (MLflow at http://127.0.0.1:$(PORT), experiment '$(STUDY)')"
 	@echo "Everything else, in the venv: . $(VENV)/bin/activate   then python -m src.train, python -m src.report $(STUDY), ..."
-	@echo "Again: study '$(STUDY)' is complete: it is reported, its promotion found unchanged, its production run found finished; a fresh one: make demo STUDY=$(STUDY)2"
+	@echo "Again: study '$(STUDY)' is complete: it is reported, its promotion found unchanged, its production run found finished; a fresh one: make demo STUDY=$(STUDY)-2 (as the sweep suggests)"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src hydra_plugins tests benchmarks

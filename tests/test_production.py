@@ -331,3 +331,13 @@ def test_promotion_writes_only_its_own_files_and_refuses_a_secret_name(
         ours, "# @package _global_\n# Production settings, written by: python -m src.promote\nlora:\n  r: 4\n"
     )
     assert "r: 8" in (root / "production.yaml.prev").read_text() and "r: 4" in ours.read_text()
+
+
+def test_make_demo_suggests_the_fresh_study_name_the_sweep_does(tmp_path: Path) -> None:
+    """#47.8: run twice, the sweep said study_name=demo-2 and the Makefile STUDY=demo2."""
+    from src.sweep.storage import StudyStore
+
+    store = StudyStore(None, "demo", tmp_path / "sweeps" / "demo", "here", None)  # no storage yet: nothing taken
+    said = subprocess.run(["make", "-n", "demo", "STUDY=demo"], cwd=PROJECT_DIR, capture_output=True, text=True)
+    hint = next(line for line in said.stdout.splitlines() if "a fresh one" in line)
+    assert f"make demo STUDY={store.fresh_name()} " in hint, hint
