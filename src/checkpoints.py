@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 from collections import Counter
 from datetime import UTC, datetime
@@ -111,8 +112,9 @@ def problems(cfg: DictConfig) -> list[str]:
 
 
 class Ledger:
-    """`<run dir>/run.json`: one run across its attempts and the commands that continued it. Written whole and
-    replaced at once; the supervisor and the attempt it launched never write it at the same time."""
+    """`<run dir>/run.json`: one run across its attempts and the commands that continued it. Written whole (redacted)
+    and replaced at once; the supervisor's threads and the attempt it launched change it under one file lock
+    (`changing`), each reading it afresh first."""
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / LEDGER
@@ -133,10 +135,23 @@ class Ledger:
         return self
 
     def save(self) -> None:
+        from src.redact import redact_text
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{LEDGER}.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2))
+        tmp = self.path.with_name(f".{LEDGER}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(redact_text(json.dumps(self.data, indent=2)))  # failure messages may quote a value
         os.replace(tmp, self.path)
+
+    @contextlib.contextmanager
+    def changing(self) -> Any:
+        """Read afresh, change, save: one writer at a time (the attempt, the supervisor's watch and its record)."""
+        from filelock import FileLock
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.path.with_name(f".{LEDGER}.lock"))):
+            self.reload()
+            yield self
+            self.save()
 
     def open_attempt(self) -> dict[str, Any] | None:
         """The last attempt, if it never recorded its end (its process, or the machine, died)."""
@@ -297,6 +312,8 @@ class Checkpoints:
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.clock = time.perf_counter()
+        with self.ledger.changing() as ledger:  # when this attempt's training began: what a failure throws away
+            ledger.attempts[-1]["train_began"] = time.time()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.every_s is not None and time.perf_counter() - self.clock >= self.every_s:
@@ -333,9 +350,8 @@ class Checkpoints:
             "size_bytes": size_bytes(target),
         }
         self.saved.append(entry)
-        self.ledger.reload()
-        self.ledger.checkpoints.append(entry)
-        self.ledger.save()
+        with self.ledger.changing() as ledger:
+            ledger.checkpoints.append(entry)
         self.save_began = None
         self.clock = time.perf_counter()
         if self.after_commit is not None:

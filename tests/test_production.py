@@ -114,13 +114,8 @@ def test_a_launch_failure_resumes_and_trains_what_an_uninterrupted_run_trains(tm
     }
 
 
-@pytest.mark.slow(seconds=50)
-def test_sigkill_of_the_run_then_the_same_command_continues_from_the_last_checkpoint(
-    tmp_path: Path, cache_dir: Path
-) -> None:
-    # The first attempt hangs at step 6, once checkpoint-4 is committed; the test then kills the whole run (every
-    # process of it, as a machine that dies would). The same command again continues; its fault has fired already.
-    same = [*RUN, "fault=hang", "fault.step=6"]
+def _start_and_wait_for_the_hang(tmp_path: Path, cache_dir: Path, same: list[str]) -> subprocess.Popen:
+    """The run started as its own session; returned once checkpoint-4 is committed and the attempt hangs at step 6."""
     env = {**os.environ, "QLORA_ROOT": str(tmp_path), "QLORA_CACHE": str(cache_dir)}
     run = subprocess.Popen(
         [sys.executable, "-m", "src.train", *same], cwd=PROJECT_DIR, env=env, start_new_session=True,
@@ -132,10 +127,42 @@ def test_sigkill_of_the_run_then_the_same_command_continues_from_the_last_checkp
         if runs.exists() and any(runs.iterdir()) and ck.last_checkpoint(_folder(tmp_path)) is not None:
             progress = list((tmp_path / "sweeps" / "single").glob("*/progress.json"))
             if progress and json.loads(progress[0].read_text()).get("step") == 5:
-                break
+                return run
         time.sleep(0.5)
-    else:
-        pytest.fail("the run never reached its hang at step 6")
+    run.kill()
+    pytest.fail("the run never reached its hang at step 6")
+
+
+@pytest.mark.slow(seconds=40)
+def test_sigterm_of_the_run_is_recorded_and_the_same_command_continues(tmp_path: Path, cache_dir: Path) -> None:
+    """A scheduler's preemption or a Ctrl-C: the supervisor (whose agent turns the signal into SignalException)
+    stops the attempt, records the run as interrupted, and the same command continues it."""
+    same = [*RUN, "fault=hang", "fault.step=6"]
+    run = _start_and_wait_for_the_hang(tmp_path, cache_dir, same)
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.wait(timeout=120) != 0
+    ledger = _ledger(tmp_path)
+    assert (
+        ledger["attempts"][0]["failure"]["kind"] == "killed"
+        and "interrupted" in ledger["attempts"][0]["failure"]["message"]
+    )
+    _, mlflow_run = _run(tmp_path)
+    assert mlflow_run.info.status == "FAILED"  # recorded, not left RUNNING
+    done = run_cli("src.train", *same, root=tmp_path, env={"QLORA_CACHE": str(cache_dir)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _ledger(tmp_path)["attempts"][1]["resumed_from_step"] == 4
+    _, mlflow_run = _run(tmp_path)
+    assert mlflow_run.info.status == "FINISHED" and "failure.kind" not in mlflow_run.data.tags
+
+
+@pytest.mark.slow(seconds=50)
+def test_sigkill_of_the_run_then_the_same_command_continues_from_the_last_checkpoint(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    # The first attempt hangs at step 6, once checkpoint-4 is committed; the test then kills the whole run (every
+    # process of it, as a machine that dies would). The same command again continues; its fault has fired already.
+    same = [*RUN, "fault=hang", "fault.step=6"]
+    run = _start_and_wait_for_the_hang(tmp_path, cache_dir, same)
     os.killpg(run.pid, signal.SIGKILL)
     run.wait(timeout=30)
 
@@ -341,3 +368,22 @@ def test_make_demo_suggests_the_fresh_study_name_the_sweep_does(tmp_path: Path) 
     said = subprocess.run(["make", "-n", "demo", "STUDY=demo"], cwd=PROJECT_DIR, capture_output=True, text=True)
     hint = next(line for line in said.stdout.splitlines() if "a fresh one" in line)
     assert f"make demo STUDY={store.fresh_name()} " in hint, hint
+
+
+def test_what_a_failure_cost_counts_from_the_last_commit_even_for_a_death_without_a_word(tmp_path: Path) -> None:
+    """A segfault 300 s after the attempt's last checkpoint: its entry has only what it wrote as it went (the start
+    of its training) and what the supervisor saw (its end); the commit is the ledger's."""
+    from src.trial.supervised import summary
+
+    ledger = ck.Ledger(tmp_path)
+    ledger.data["attempts"] = [
+        {"attempt": 1, "launched": 0.0, "train_began": 60.0, "ended": 1000.0, "failure": {"kind": "segfault"}},
+        {"attempt": 2, "launched": 1001.0, "train_began": 1041.0, "ended": 1500.0, "status": "ok"},
+    ]
+    ledger.data["checkpoints"] = [
+        {"step": 100, "at_s": 700.0, "save_s": 2.0, "size_bytes": 2**20},
+        {"step": 200, "at_s": 1400.0, "save_s": 2.0, "size_bytes": 2**20},
+    ]
+    m = summary(ledger)
+    assert m["restarts"] == 1 and m["redone_s"] == 300.0 and m["lost_s"] == 340.0  # + the next start-up
+    assert m["training_s"] == 940.0 + 459.0 and m["checkpoint_overhead_frac"] == pytest.approx(4.0 / 1399.0)

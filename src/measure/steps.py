@@ -83,6 +83,7 @@ class Measurements(TrainerCallback):
         self.startup_s = time.time() - trial_started()
         self._last_t = time.perf_counter()
         self._last_tokens = state.num_input_tokens_seen
+        self.step = state.global_step  # a resumed run begins at its checkpoint's step
         self.write_progress("training")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from src import checkpoints as ck
-from src.handoff import trial_started
+from src.handoff import PROGRESS_FILE, trial_started
 from src.trial import single
 
 RUN_DIR_ENV = "QLORA_RUN_DIR"  # set by the supervisor: this process is an attempt of the run in that folder
@@ -111,6 +111,7 @@ def run_attempt(cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], int]:
     folder = Path(os.environ[RUN_DIR_ENV])
     ledger = ck.Ledger(folder)
     ck.clean_staging(folder)
+    (out_dir / PROGRESS_FILE).unlink(missing_ok=True)  # the attempt before's: its step is not this one's
     last = ck.last_checkpoint(folder)
     entry: dict[str, Any] = {
         "attempt": len(ledger.attempts) + 1,
@@ -119,23 +120,23 @@ def run_attempt(cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], int]:
         "resumed_from_step": ck.step_of(last),
         "out_dir": str(out_dir),
     }
-    before = list(ledger.attempts)
-    ledger.attempts.append(entry)
-    ledger.save()
+    with ledger.changing():
+        before = list(ledger.attempts)
+        entry["attempt"] = len(before) + 1
+        ledger.attempts.append(entry)
     attempt = Attempt(folder, ledger, len(before), last)
     if last is not None:
         print(f"attempt {entry['attempt']}: continuing from {last}", flush=True)
     result = single.run(cfg, out_dir, attempt=attempt)
-    ledger.reload()
-    entry = ledger.attempts[-1]
-    entry.update(_ended(result, attempt, entry))
     ck.clean_staging(folder)  # what the Trainer writes beside its checkpoints (a model card), or a save cut short
-    if result["status"] == "ok":
-        ledger.data["completed"] = ck.now_iso()
-        ledger.data["adapter"] = str(folder / ck.ADAPTER)
-    else:
-        entry["stop"] = stop_reason(result["failure"], before)
-    ledger.save()
+    with ledger.changing():
+        entry = ledger.attempts[-1]
+        entry.update(_ended(result, attempt))
+        if result["status"] == "ok":
+            ledger.data["completed"] = ck.now_iso()
+            ledger.data["adapter"] = str(folder / ck.ADAPTER)
+        else:
+            entry["stop"] = stop_reason(result["failure"], before)
     restart = result["status"] != "ok" and entry["stop"] is None
     if restart:  # a stop is said by the supervisor, once the run is recorded
         f = result["failure"]
@@ -147,14 +148,10 @@ def run_attempt(cfg: DictConfig, out_dir: Path) -> tuple[dict[str, Any], int]:
     return result, 1 if restart else 0
 
 
-def _ended(result: dict[str, Any], attempt: Attempt, entry: dict[str, Any]) -> dict[str, Any]:
-    m = result.get("metrics", {})
+def _ended(result: dict[str, Any], attempt: Attempt) -> dict[str, Any]:
+    """What the attempt's end adds to its entry (its training's start is written when it begins: a process that
+    dies without a word leaves that much)."""
     out: dict[str, Any] = {"ended": time.time(), "status": result["status"], "failure": result.get("failure")}
-    if "startup_s" in m:
-        out["train_began"] = entry["launched"] + m["startup_s"]
-    saved = attempt.checkpoints.saved if attempt.checkpoints else []
-    if saved:
-        out["last_commit"] = saved[-1]["at_s"]
     out["last_step"] = result.get("last_step")
     if attempt.rows is not None:
         out["rows"] = result.get("rows")

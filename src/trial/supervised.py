@@ -55,9 +55,11 @@ def supervise(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[str, Any]
     if refused is not None:
         print(refused, file=sys.stderr)
         sys.exit(2)
-    if ledger.data.get("completed"):
+    if ledger.data.get("recorded"):
         return _already_done(ledger, folder)
     client, run_id = _open(cfg, ledger, folder, argv)
+    if ledger.data.get("completed"):  # trained, but its supervisor died before it was recorded: record it now
+        return _record(cfg, ledger, folder, client, run_id, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ[RUN_DIR_ENV], os.environ[RUN_ENV] = str(folder), run_id
     every = (
@@ -72,10 +74,12 @@ def supervise(cfg: DictConfig, out_dir: Path, argv: list[str]) -> dict[str, Any]
     deaths = _Deaths(ledger, out_dir)
     watch = _Stall(ledger, out_dir, float(cfg.checkpoint.stall_timeout_s))
     watch.start()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         _launch(cfg, argv, out_dir)
-    except KeyboardInterrupt:
-        deaths.interrupted()
+    except (KeyboardInterrupt, SignalException) as stopped:  # the agent turns SIGINT/SIGTERM into SignalException
+        deaths.interrupted(str(stopped) or "SIGINT")
     finally:
         watch.stop()
         deaths.close()
@@ -202,25 +206,25 @@ class _Deaths(logging.Handler):
         code, pid = int(record.args[0]), int(record.args[2])  # type: ignore[index]
         from src.failures import classify_exit
 
-        self.ledger.reload()
-        entry = next((a for a in self.ledger.attempts if a.get("pid") == pid), None)
-        if entry is not None and "ended" not in entry:
+        with self.ledger.changing() as ledger:
+            entry = next((a for a in ledger.attempts if a.get("pid") == pid), None)
+            if entry is None or "ended" in entry:
+                return  # it recorded its own end
             progress = _progress(self.out_dir)
             stalled = entry.get("stalled")
             kind = "timeout" if stalled else classify_exit(code)
             message = stalled or f"the attempt's process exited with {code} without a record"
             _died(entry, kind, message, progress.get("step", 0) + 1 if progress.get("phase") == "training" else None)
             entry["ended"] = max(entry["launched"], progress.get("time", entry["ended"]))  # its last sign of life
-            self.ledger.save()
-            f = entry["failure"]
-            print(f"attempt {entry['attempt']} failed ({f['kind']} at step {f['step']}): {message}", flush=True)
+        f = entry["failure"]
+        print(f"attempt {entry['attempt']} failed ({f['kind']} at step {f['step']}): {message}", flush=True)
 
-    def interrupted(self) -> None:
-        self.ledger.reload()
-        entry = self.ledger.open_attempt()
-        if entry is not None:
-            _died(entry, "killed", "interrupted (SIGINT): the same command continues from the last checkpoint", None)
-            self.ledger.save()
+    def interrupted(self, how: str) -> None:
+        with self.ledger.changing() as ledger:
+            entry = ledger.open_attempt()
+            if entry is not None:
+                why = f"interrupted ({how}): the same command continues from the last checkpoint"
+                _died(entry, "killed", why, None)
 
     def close(self) -> None:
         log = logging.getLogger(self._LOGGER)
@@ -230,7 +234,8 @@ class _Deaths(logging.Handler):
 
 
 class _Stall(threading.Thread):
-    """Kills an attempt that made no progress (a step, or a start-up phase) for `timeout_s`; the agent restarts it."""
+    """Kills an attempt that made no progress for `timeout_s` (no step; before its first, nothing since its launch or
+    since its model began loading); the agent restarts it."""
 
     def __init__(self, ledger: ck.Ledger, out_dir: Path, timeout_s: float) -> None:
         super().__init__(daemon=True, name="stall-watch")
@@ -239,25 +244,29 @@ class _Stall(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(1.0):
-            entry = ck.Ledger(self.ledger.path.parent).open_attempt()
-            if entry is None or "stalled" in entry:
-                continue
-            progress = _progress(self.out_dir)
-            last = max(entry["launched"], progress.get("time", 0.0))
-            if time.time() - last <= self.timeout_s:
-                continue
-            ledger = ck.Ledger(self.ledger.path.parent)
+            try:
+                self._look()
+            except Exception as exc:  # noqa: BLE001 - a bad read is no reason to stop watching
+                print(f"stall watch: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    def _look(self) -> None:
+        entry = ck.Ledger(self.ledger.path.parent).open_attempt()
+        if entry is None or "stalled" in entry:
+            return
+        progress = _progress(self.out_dir)
+        if time.time() - max(entry["launched"], progress.get("time", 0.0)) <= self.timeout_s:
+            return
+        with ck.Ledger(self.ledger.path.parent).changing() as ledger:
             open_entry = ledger.open_attempt()
             if open_entry is None or open_entry["pid"] != entry["pid"]:
-                continue
+                return
             where = f"at step {progress.get('step', 0) + 1}" if progress.get("phase") == "training" else "in start-up"
             open_entry["stalled"] = (
                 f"no progress for {self.timeout_s:g} s {where} (checkpoint.stall_timeout_s): a hang, killed"
             )
-            ledger.save()
-            print(f"attempt {entry['attempt']}: {open_entry['stalled']}", flush=True)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(entry["pid"], signal.SIGKILL)
+        print(f"attempt {entry['attempt']}: {open_entry['stalled']}", flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(entry["pid"], signal.SIGKILL)
 
     def stop(self) -> None:
         self.done.set()
@@ -279,7 +288,7 @@ def summary(ledger: ck.Ledger) -> dict[str, float]:
     m: dict[str, float] = {"restarts": float(max(0, len(attempts) - 1)), "attempts": float(len(attempts))}
     lost = redone = 0.0
     for this, after in zip(attempts, attempts[1:], strict=False):
-        this_redone = _redone_s(this)
+        this_redone = _redone_s(this, ledger.checkpoints)
         startup = after["train_began"] - after["launched"] if "train_began" in after else 0.0
         this["redone_s"], this["lost_s"] = this_redone, this_redone + startup
         redone, lost = redone + this_redone, lost + this_redone + startup
@@ -296,13 +305,14 @@ def summary(ledger: ck.Ledger) -> dict[str, float]:
     return m
 
 
-def _redone_s(attempt: dict[str, Any]) -> float:
-    """The training an attempt did that its failure threw away: from its last committed checkpoint (or its first
-    step) to its end."""
+def _redone_s(attempt: dict[str, Any], saves: list[dict[str, Any]]) -> float:
+    """The training an attempt did that its failure threw away: from its last committed checkpoint (or the start of
+    its training) to its end."""
     began = attempt.get("train_began")
     if began is None or "ended" not in attempt:
         return 0.0
-    return max(0.0, attempt["ended"] - max(began, attempt.get("last_commit", began)))
+    commits = [s["at_s"] for s in saves if began <= s.get("at_s", 0.0) <= attempt["ended"]]
+    return max(0.0, attempt["ended"] - max([began, *commits]))
 
 
 def _record(
@@ -312,9 +322,9 @@ def _record(
     ledger as an artifact; the adapter's registration; result.json; the run ended."""
     from src import record as rec
 
-    m = summary(ledger)
-    ledger.data["metrics"] = m
-    ledger.save()
+    with ledger.changing():
+        m = summary(ledger)
+        ledger.data["metrics"] = m
     tags: dict[str, Any] = {}
     for a in ledger.attempts:
         n, f = a["attempt"], a.get("failure") or {}
@@ -330,10 +340,15 @@ def _record(
     tracking.log_metrics(client, run_id, m)
     last = ledger.attempts[-1] if ledger.attempts else {}
     completed = bool(ledger.data.get("completed"))
-    failure = None if completed else (last.get("failure") or {"kind": "other", "message": "no attempt ran"})
+    failure = (
+        None if completed else (last.get("failure") or {"kind": "other", "message": "no attempt ran", "step": None})
+    )
     if failure is not None and last.get("stop") is None and len(ledger.attempts) > cfg.checkpoint.max_restarts:
         failure = {**failure, "message": f"{failure.get('message')} (after {int(m['restarts'])} restarts)"}
     tags.update(rec.outcome_tags("ok" if completed else "failed", failure))
+    if completed:  # an attempt's failure tags give way to the run's outcome (attempt.<n>.failure.* keep them)
+        for key in [k for k in client.get_run(run_id).data.tags if k.startswith(rec.FAILURE)]:
+            client.delete_tag(run_id, key)
     tracking.set_tags(client, run_id, tags)
     tracking.log_text(client, run_id, json.dumps(ledger.data, indent=2), "run.json")
     if completed and cfg.tracking.registered_version is not None:
@@ -348,7 +363,11 @@ def _record(
     metrics = {**last_result.get("metrics", {}), **m}
     result = {**last_result, "status": status, "run_id": run_id, "metrics": metrics, "failure": failure}
     result["run_dir"], result["stop"] = str(folder), last.get("stop")
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
+    if completed:
+        with ledger.changing():
+            ledger.data["recorded"] = ck.now_iso()  # the same command now says the run is done, and trains nothing
     return result
 
 
