@@ -44,6 +44,19 @@ FAULT_KINDS = (
 )
 # Errors after which the CUDA context is poisoned: worth one re-run with CUDA_LAUNCH_BLOCKING=1.
 STICKY_CUDA = ("launch_failure", "illegal_memory_access", "device_assert", "cublas")
+# The process's faults, not the setting's: a fresh process from the last checkpoint may well get past them (a single
+# run restarts on them, src/trial/attempts.py).
+PROCESS_FAULTS = (
+    "launch_failure",
+    "illegal_memory_access",
+    "device_assert",
+    "cublas",
+    "nccl",
+    "segfault",
+    "killed",
+    "timeout",
+    "host_oom",
+)
 # Failures caused by the setting's memory: the sampler should learn to avoid them (constraint violation). The
 # card's memory only: `host_oom` (the machine's RAM ran out, or its OOM killer struck) says nothing about how much
 # VRAM a setting needs, so it is the process's failure, like a segfault or a kill.

@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from src import checkpoints as ck
+from src.failures import PROCESS_FAULTS
 from src.handoff import PROGRESS_FILE, trial_started
 from src.trial import single
 
@@ -33,18 +34,6 @@ _ELASTIC_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-)
-# The process's faults: a fresh process from the last checkpoint may well get past them.
-PROCESS_FAULTS = (
-    "launch_failure",
-    "illegal_memory_access",
-    "device_assert",
-    "cublas",
-    "nccl",
-    "segfault",
-    "killed",
-    "timeout",
-    "host_oom",
 )
 # Failures that may be the process's once (fragmentation, a transient fault) but are the setting's when they come
 # back at the same step.
