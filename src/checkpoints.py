@@ -327,19 +327,18 @@ class Checkpoints:
         step = state.global_step
         staged = self.staging / f"{PREFIX}{step}"
         target = self.folder / f"{PREFIX}{step}"
-        try:
-            if self.rows is not None:
-                self.rows.save(staged)
-            if self.before_commit is not None:
-                self.before_commit(step)
-            _fsync_tree(staged)
-            if target.exists():  # this step was committed by an attempt before (it resumed from it): same state
-                shutil.rmtree(staged)
-            else:
-                os.replace(staged, target)
-                _fsync_dir(self.folder)
-        except OSError as exc:
-            raise _disk_full(exc, self.folder, staged) from exc
+        # A full disk here (or in the Trainer's writes before) is the attempt's to tell: src/trial/single.py removes
+        # the staged copy and says what was kept (disk_full)
+        if self.rows is not None:
+            self.rows.save(staged)
+        if self.before_commit is not None:
+            self.before_commit(step)
+        _fsync_tree(staged)
+        if target.exists():  # this step was committed by an attempt before (it resumed from it): same state
+            shutil.rmtree(staged)
+        else:
+            os.replace(staged, target)
+            _fsync_dir(self.folder)
         self._rotate()
         seconds = time.perf_counter() - (self.save_began or time.perf_counter())
         entry = {
@@ -379,14 +378,6 @@ def full_disk(exc: BaseException, folder: Path | None = None) -> bool:
     last = last_checkpoint(folder)
     needed = size_bytes(last) if last is not None else 2**20
     return shutil.disk_usage(folder).free < needed
-
-
-def _disk_full(exc: OSError, folder: Path, staged: Path) -> OSError:
-    """A save that failed for want of space, in one line: what was kept and what to do; the partial copy removed."""
-    if not full_disk(exc):
-        return exc
-    shutil.rmtree(staged, ignore_errors=True)
-    return disk_full(folder)
 
 
 def disk_full(folder: Path) -> DiskFull:
