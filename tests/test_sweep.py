@@ -159,7 +159,7 @@ def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) 
         "hardware.vram_budget_gib=24",
         "hydra.sweeper.n_trials=4",
         "hydra.sweeper.skip_duplicates=false",
-        "hydra.sweeper.trial_overrides=['trainer.max_steps=8']",  # long enough to be caught mid-trial
+        "hydra.sweeper.trial_overrides=['trainer.max_steps=24']",  # long enough to be caught mid-trial under load
         "hydra.sweeper.soak_top_k=0",  # the demo soaks its best setting: not this test's business
     ]
     env = {**os.environ, "QLORA_ROOT": str(root)}
@@ -179,7 +179,7 @@ def test_sigkilled_sweep_resumes_to_exactly_n_trials(root: Path, mlflow_client) 
         states = dict(Counter(t.state.name for t in trials))
         if not seen or seen[-1] != states:
             seen.append(states)
-        # A trial started after another finished: at the start of its 8 steps, so the kill lands mid-trial (a
+        # A trial started after another finished: at the start of its 24 steps, so the kill lands mid-trial (a
         # trial started with the first one may be writing its result at that moment, and is then told it).
         first_done = min((t.datetime_complete for t in trials if t.state == TrialState.COMPLETE), default=None)
         if first_done and [t for t in trials if t.state == TrialState.RUNNING and t.datetime_start > first_done]:
