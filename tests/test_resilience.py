@@ -413,6 +413,31 @@ def test_trials_start_in_a_session_of_their_own_without_preexec_fn(root: Path, m
     assert seen["env"][PARENT_ENV] == str(os.getpid()), "the trial learns whose death it dies with"
 
 
+@pytest.mark.parametrize("wrote", [None, "loading"])
+def test_a_trial_that_hangs_before_its_first_step_is_killed_at_the_stall_timeout(
+    tmp_path: Path, monkeypatch, wrote: str | None
+) -> None:
+    """Issue 47 #13: a trial hung while loading (no progress file yet, or one left in "loading") held its slot until
+    trial_timeout_s (an hour); it is a stall like one mid-training."""
+    from omegaconf import OmegaConf
+
+    from src.handoff import PROGRESS_FILE
+    from src.sweep import process
+
+    hang = tmp_path / "hang.sh"
+    log_dir = tmp_path / "trial"
+    progress = f'echo \'{{"phase": "{wrote}", "step": 0, "time": \'$(date +%s)\'}}\' > {log_dir / PROGRESS_FILE}'
+    hang.write_text("#!/bin/sh\n" + (progress if wrote else "") + "\nexec sleep 120\n")
+    hang.chmod(0o755)
+    monkeypatch.setattr(process.sys, "executable", str(hang))
+    sweeper = OmegaConf.create({"trial_timeout_s": 100, "stall_timeout_s": 2, "heartbeat_interval_s": 10})
+    started = time.monotonic()
+    outcome = process.run_process(["model=tiny_llama"], log_dir, {}, sweeper)
+    assert time.monotonic() - started < 30, "killed at the stall timeout, not at trial_timeout_s"
+    assert outcome.failure["kind"] == "timeout" and outcome.failure["step"] is None
+    assert "2s without progress in start-up, hydra.sweeper.stall_timeout_s" in outcome.failure["message"]
+
+
 @pytest.mark.slow(seconds=3)
 def test_a_trial_dies_with_the_engine_thread_that_started_it(root: Path) -> None:
     """The engine's stand-in starts a real trial from a thread, as each slot does, and is killed with SIGKILL once

@@ -77,16 +77,17 @@ def run_process(
                     heartbeat()
                     last_beat = now
                 progress = read_json(log_dir / PROGRESS_FILE)
-                stalled = (
-                    progress.get("phase") == "training" and now - progress.get("time", now) > sweeper.stall_timeout_s
-                )
+                # No step for stall_timeout_s; before the first, nothing since the launch or since the model
+                # began loading (a trial hung while loading holds its slot no longer than one hung mid-training).
+                stalled = now - max(started, progress.get("time", 0.0)) > sweeper.stall_timeout_s
                 if stopping.is_set():
                     interrupted = True
                     stop_process_group(proc)
                 elif now - started > sweeper.trial_timeout_s or stalled:
                     timed_out = True
+                    where = "without a step" if progress.get("phase") == "training" else "without progress in start-up"
                     why = (
-                        f"{sweeper.stall_timeout_s:g}s without a step"
+                        f"{sweeper.stall_timeout_s:g}s {where}, hydra.sweeper.stall_timeout_s"
                         if stalled
                         else (f"hydra.sweeper.trial_timeout_s={sweeper.trial_timeout_s:g}")
                     )
