@@ -154,6 +154,11 @@ class Sweep:
     def counts(self) -> Counter[str]:
         return Counter(r.verdict for r in self.rows)
 
+    def on_cpu(self) -> bool:
+        """Every trial that ran ran on a CPU slot (the stand-in card: src/measure/memory.py), none on a GPU."""
+        slots = [r.slot for r in self.rows if r.slot]
+        return bool(slots) and all(s.startswith("cpu") for s in slots)
+
     def card_shared_by(self) -> int:
         """The most trials that ran on one card at once (`hydra.sweeper.slots_per_gpu`), from the slots the
         trials ran on; 1 when each trial had its card to itself (or ran on a CPU)."""

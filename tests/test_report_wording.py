@@ -61,3 +61,29 @@ def test_the_class_column_is_never_the_one_cut_at_100_columns() -> None:
     for verdict, _ in verdicts:
         assert f" {verdict} " in shown or f"│ {verdict}" in shown, shown
     assert "mar…" not in shown and "fai…" not in shown and "sta…" not in shown, shown
+
+
+def test_a_cpu_sweep_s_memory_model_section_says_the_model_only_ranks_there() -> None:
+    """Issue 47 #2: "mean error 464.9%" on a CPU with no word that the model only ranks there."""
+    from src.report.memory import CPU_NOTE, section
+
+    def sweep(slot: str) -> Sweep:
+        rows = [
+            TrialRow(
+                number=n,
+                params={},
+                distributions={},
+                verdict="stable",
+                detail="headroom 60%",
+                metrics={"peak_vram_reserved_gib": 0.1, "predicted_peak_vram_reserved_gib": 0.5 + n / 10},
+                slot=f"{slot}{n}",
+            )
+            for n in range(3)
+        ]
+        return Sweep(
+            "demo", "sqlite:///x", Path("/nowhere"), ["tokens_per_s"], ["maximize"], 0.1, 0.32, [], rows, None, []
+        )
+
+    on_cpu = "\n".join(section(sweep("cpu"), False, False))
+    assert "mean error is 500.0%" in on_cpu and CPU_NOTE in on_cpu and "only ranks" in CPU_NOTE
+    assert CPU_NOTE not in "\n".join(section(sweep("cuda"), False, False)), "on a GPU its error is its error"

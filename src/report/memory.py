@@ -11,6 +11,11 @@ from src.study import Sweep, TrialRow
 
 PREDICTED = "predicted_peak_vram_reserved_gib"
 MEASURED = "peak_vram_reserved_gib"
+CPU_NOTE = (
+    "These trials ran on a CPU, where the memory model does not describe the device (its terms are fitted to CUDA's "
+    "allocator; the stand-in card's peak is the process's memory beyond start-up): it only ranks the settings, which "
+    "to run first and which to skip, and the trials decide. These errors say nothing of its error on a GPU."
+)
 
 
 def _rows(sweep: Sweep) -> list[TrialRow]:
@@ -59,6 +64,8 @@ def plot_predicted(sweep: Sweep, path: Path) -> bool:
     ax.set_ylabel("measured peak reserved (GiB)")
     mean = sum(abs(e) for _, e in measured) / len(measured)
     title = f"{sweep.name}: memory model, mean error {mean:.1%} over {len(measured)} trials"
+    if sweep.on_cpu():
+        title += "\n(on a CPU the model only ranks: see the report)"
     finish(fig, ax, path, title, size=9, legend=7, where="upper left")
     return True
 
@@ -106,6 +113,8 @@ def section(sweep: Sweep, predicted_png: bool, soak_png: bool) -> list[str]:
                 f"{worst[0].number}).",
                 "",
             ]
+            if sweep.on_cpu():
+                out += [CPU_NOTE, ""]
         out += ["| trial | class | predicted GiB | measured GiB | error |", "|---|---|---|---|---|"]
         for r in rows:
             m = r.metrics.get(MEASURED) if r.verdict in ("stable", "marginal") else None
