@@ -344,7 +344,32 @@ def test_fit_cli_recommends_a_setting_for_each_card(root: Path, capsys: pytest.C
         assert best["if_under_predicted_gib"] <= (card["card_gib"] - 0.6) * (1 - card["headroom_margin"])
     assert fit_main([*recipe, "--card", "6", "80", "--model-file", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert any(line.strip().startswith("recommended (predicted): none of the levers") for line in lines)
     assert any(
-        line.strip().startswith("recommended (predicted, from the memory model alone): recipe +") for line in lines
+        line.strip().startswith("recommended (predicted): none; the recipe needs")
+        and "none of the levers' combinations" in line
+        for line in lines
     )
+    assert any(
+        line.strip().startswith("recommended (predicted, from the memory model alone), as the recipe")
+        and ": recipe +" in line
+        for line in lines
+    )
+
+
+def test_fit_recommends_no_change_where_the_recipe_fits_and_says_why_where_it_does(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 47 #6: the tiny model on a 24 GiB card was told "recipe + max_seq_length=256" though the recipe fits
+    and cuts no answer. A change is recommended only where the recipe does not fit or cuts too many answers, and
+    the line says which."""
+    assert fit_main(["--card", "24"]) == 0
+    (advice,) = [line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")][-1:]
+    assert advice.startswith("no change needed (predicted): the recipe as it is keeps the 10% headroom margin")
+    short = ["data.max_seq_length=32", "preflight.max_truncated_answer_frac=0.05", "--card", "24", "--json"]
+    assert fit_main(short) == 0
+    (card,) = json.loads(capsys.readouterr().out)["cards"]
+    assert (
+        card["why"].startswith("the recipe's max_seq_length=32 cuts")
+        and "max_truncated_answer_frac=0.05" in card["why"]
+    )
+    assert card["recommended"]["changes"][-1] != "data.max_seq_length=32"

@@ -206,16 +206,39 @@ def recommendations(
         max_positions = Setting.from_config(cfg, vocab_fallback=vocab).arch.max_positions
         ladder = recommend.ladder([recipe_length], int(lengths.max()), max_positions)
         tried = recommend.lengths_to_try(ladder, cut, float(cfg.preflight.max_truncated_answer_frac))
+    policy = float(cfg.preflight.max_truncated_answer_frac)
+    recipe = predict([])
     out = []
     for card in cards:
-        found = recommend.candidates(predict, levers, tried, cut, card - model.context_gib, margin)
+        pool = card - model.context_gib
+        if recipe is not None and recommend.fits_with_margin(recipe, pool, margin) and cut(recipe_length) <= policy:
+            # The recipe needs no change here: none is recommended (a shorter length that still holds every row
+            # would only save memory the card does not need).
+            bound = recommend.under_bound(recipe)
+            as_is = recommend.Candidate((), recipe_length, cut(recipe_length), recipe.needed_gib, bound)
+            out.append({"recommended": _candidate(as_is, recipe_length), "closest": None, "headroom_margin": margin})
+            continue
+        found = recommend.candidates(predict, levers, tried, cut, pool, margin)
         best = found[0] if found else None
         closest = None if found else recommend.closest(predict, levers, tried, cut)
+        if recipe is None or not recommend.fits_with_margin(recipe, pool, margin):
+            why = (
+                "the model cannot describe the recipe"
+                if recipe is None
+                else f"the recipe needs {recommend.under_bound(recipe):.2f} GiB if under-predicted, more than the card "
+                f"keeps with the {margin:.0%} headroom margin"
+            )
+        else:
+            why = (
+                f"the recipe's max_seq_length={recipe_length} cuts {cut(recipe_length):.1%} of answers, more than "
+                f"preflight.max_truncated_answer_frac={policy:g}"
+            )
         out.append(
             {
                 "recommended": _candidate(best, recipe_length),
                 "closest": _candidate(closest, recipe_length),
                 "headroom_margin": margin,
+                "why": why,
             }
         )
     return out
@@ -296,19 +319,25 @@ def advice_words(c: dict[str, Any]) -> str:
     """The card's recommended setting (or the closest), in one line, marked predicted."""
     margin = f"{c['headroom_margin']:.0%} headroom margin"
     best = c["recommended"]
+    why = c.get("why") or "the recipe does not fit"
     if best is not None:
-        words = "the recipe as it is" if best["words"] == "recipe" else best["words"]
+        if best["words"] == "recipe":
+            return (
+                f"no change needed (predicted): the recipe as it is keeps the {margin} — "
+                f"{best['predicted_needed_gib']:.2f} GiB needed, {best['if_under_predicted_gib']:.2f} if the model "
+                f"under-predicts by its error; cuts {best['truncated_answer_frac']:.1%} of answers"
+            )
         return (
-            f"recommended (predicted, from the memory model alone): {words} — {best['predicted_needed_gib']:.2f}"
-            f" GiB needed, {best['if_under_predicted_gib']:.2f} if the model under-predicts by its error "
-            f"(keeps the {margin}); cuts {best['truncated_answer_frac']:.1%} of answers"
+            f"recommended (predicted, from the memory model alone), as {why}: {best['words']} — "
+            f"{best['predicted_needed_gib']:.2f} GiB needed, {best['if_under_predicted_gib']:.2f} if the model "
+            f"under-predicts by its error (keeps the {margin}); cuts {best['truncated_answer_frac']:.1%} of answers"
         )
     closest = c["closest"]
     if closest is None:
-        return "recommended (predicted): none; the model cannot describe the levers of this setting"
+        return f"recommended (predicted): none; {why}, and the model cannot describe the levers of this setting"
     return (
-        f"recommended (predicted): none of the levers' combinations is predicted to keep the {margin}; the closest, "
-        f"{closest['words']}, is predicted to need {closest['predicted_needed_gib']:.2f} GiB "
+        f"recommended (predicted): none; {why}, and none of the levers' combinations is predicted to keep the "
+        f"{margin}; the closest, {closest['words']}, is predicted to need {closest['predicted_needed_gib']:.2f} GiB "
         f"({closest['if_under_predicted_gib']:.2f} if under-predicted): measure it, or a larger card"
     )
 
