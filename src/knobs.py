@@ -74,6 +74,12 @@ def fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def figure(value: float) -> str:
+    """A measured figure as every table and summary line shows it: thousands grouped ("10,983"), never in exponent
+    form; smaller ones to four significant digits ("657.8", "0.263")."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def label(key: str) -> str:
     """A knob's short column name; an unregistered key shows its last segment."""
     knob = BY_KEY.get(key)

@@ -63,6 +63,34 @@ def test_the_class_column_is_never_the_one_cut_at_100_columns() -> None:
     assert "mar…" not in shown and "fai…" not in shown and "sta…" not in shown, shown
 
 
+def test_a_cpu_sweep_s_table_fits_100_columns_with_whole_headers_grouped_numbers_and_no_oom_headroom() -> None:
+    """Issue 47 #5: ~182 columns, headers squeezed to `res…`, alloc and device columns always empty on a CPU,
+    `1.098e+04` beside `10,983`, and "headroom -49%" on an OOM row."""
+    from src.report.text import _opening
+
+    def row(n: int, verdict: str, detail: str, tokens: float, peak: float) -> TrialRow:
+        metrics = {"tokens_per_s": tokens, "peak_vram_reserved_gib": peak, "vram_headroom_frac": 1 - peak / 0.32}
+        metrics |= {"step_time_s": 0.263, "tokens_per_optimizer_step": 2430.0}
+        params = {"trainer.gradient_accumulation_steps": 2, "trainer.per_device_train_batch_size": 2**n}
+        return TrialRow(n, params, {}, verdict, detail, metrics, failure_kind="oom" if verdict == "failed" else None)
+
+    rows = [row(0, "stable", "headroom 76%", 2388.0, 0.08), row(1, "failed", "oom at step 1", 0.0, 0.48)]
+    rows += [row(n, "stable", f"headroom {n}%", 10983.0, 0.14) for n in range(2, 6)]
+    knobs = ["trainer.gradient_accumulation_steps", "trainer.per_device_train_batch_size"]
+    sweep = Sweep(
+        "demo", "sqlite:///x", Path("/nowhere"), ["tokens_per_s"], ["maximize"], 0.1, 0.32, knobs, rows, None, []
+    )
+    console = Console(width=100, record=True, color_system=None)
+    console.print(table(sweep))
+    shown = console.export_text()
+    assert max(len(line) for line in shown.splitlines()) <= 100
+    assert "…" not in shown, shown
+    assert "alloc" not in shown and "device" not in shown, "no column without a figure in it"
+    assert "10,983" in shown and "e+0" not in shown and "-" not in shown.replace("─", ""), shown
+    opening = "\n".join(_opening(sweep))
+    assert "10,983 tokens_per_s" in opening and "e+0" not in opening
+
+
 def test_a_cpu_sweep_s_memory_model_section_says_the_model_only_ranks_there() -> None:
     """Issue 47 #2: "mean error 464.9%" on a CPU with no word that the model only ranks there."""
     from src.report.memory import CPU_NOTE, section

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import optuna
 
+from src.knobs import figure
 from src.study import Sweep, sort_key
 
 
@@ -38,7 +39,7 @@ def importance(sweep: Sweep, target: str, direction: str) -> Importance:
             target,
             {},
             "",
-            f"not computed: {target} was {values[0]:.4g} in all {n} finished trials (no knob moved it)",
+            f"not computed: {target} was {figure(values[0])} in all {n} finished trials (no knob moved it)",
             n,
         )
     with warnings.catch_warnings():

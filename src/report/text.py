@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from src import redact
-from src.knobs import fmt, label
+from src.knobs import figure, fmt, label
 from src.study import Sweep, TrialRow
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ def _columns(sweep: Sweep) -> list[tuple[str, Callable[[TrialRow], str]]]:
     if any(r.lever for r in sweep.rows):
         cols.append(("change", TrialRow.change))
     cols += [("class", lambda r: r.verdict), ("detail", lambda r: r.detail)]
-    figures = _FIGURES + tuple(f for f in _OPTIONAL if any(f[0] in r.metrics for r in sweep.rows))
+    # A figure no trial has (a CPU keeps no allocated/reserved split and sees no device) is no column.
+    figures = [f for f in _FIGURES + _OPTIONAL if any(_figure(r, f[0], f[2]) for r in sweep.rows)]
     cols += [(head, lambda r, m=m, form=form: _figure(r, m, form)) for m, head, form in figures]
     if any(sweep.cut_answers(r) is not None for r in sweep.rows):
         cols.append(("cut answers", lambda r: _cut_cell(sweep, r)))
@@ -68,6 +69,8 @@ def _figure(row: TrialRow, metric: str, form: str) -> str:
         return ""
     if row.verdict in ("failed", "skipped") and row.metrics.get("peak_vram_reserved_gib", 0) == 0:
         return ""  # a failed trial's zeros are "not measured", not "used nothing"
+    if row.verdict == "failed" and metric == "vram_headroom_frac":
+        return ""  # an OOM's peak is where it stopped, not a setting's headroom ("-49%")
     return form.format(row.metrics[metric])
 
 
@@ -98,11 +101,14 @@ def table(sweep: Sweep) -> Any:
         caption_justify="left",
     )
     headers, cells = trial_grid(sweep)
-    for h in headers:
+    for h, column in zip(headers, zip(*cells, strict=True) if cells else [()] * len(headers), strict=True):
         if h == "class":  # never the column cut on a narrow terminal: the others wrap or shorten first
             t.add_column(h, justify="left", no_wrap=True, min_width=max(len(c) for c in (*styles, h)))
-        else:
-            t.add_column(h, justify="right" if h not in ("change", "detail") else "left")
+        elif h in ("change", "detail"):
+            t.add_column(h, justify="left")
+        else:  # a figure: never cut to "res…"; its header wraps at a space instead
+            widest = max([*(len(w) for w in h.split()), *(len(c) for c in column)])
+            t.add_column(h, justify="right", min_width=widest)
     for row, line in zip(sweep.rows, cells, strict=True):
         t.add_row(*line, style=styles.get(row.verdict))
     return t
@@ -174,7 +180,7 @@ def _opening(sweep: Sweep) -> list[str]:
         *out,
         f"Best stable setting by the study's objective ({objective}, {direction}): **trial {best.number}** "
         f"({', '.join(setting)}): "
-        f"{m.get(objective, float('nan')):.4g} {objective}, peak reserved {m.get('peak_vram_reserved_gib', 0):.2f} GiB, "
+        f"{figure(m[objective]) if objective in m else 'nan'} {objective}, peak reserved {m.get('peak_vram_reserved_gib', 0):.2f} GiB, "
         f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}"
         + (
             f" ({objective} read on a card shared by up to {shared} trials: see Throughput)"

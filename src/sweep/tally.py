@@ -12,6 +12,7 @@ import optuna
 from omegaconf import DictConfig
 
 from src import record
+from src.knobs import figure
 from src.record import failure_kind, retried_numbers
 from src.redact import redact_text
 from src.sweep.storage import FINISHED
@@ -103,7 +104,7 @@ class Tally:
         if finished:
             self.bar.update(finished)
         failed = " ".join(f"{k[7:]}={v}" for k, v in sorted(self.counts.items()) if k.startswith("failed_"))
-        best = f" best={self.best[0]:.4g} {self.objective} (#{self.best[1]})" if self.best else ""
+        best = f" best={figure(self.best[0])} {self.objective} (#{self.best[1]})" if self.best else ""
         skipped = f" skipped={self.counts['skipped']}" if self.counts["skipped"] else ""
         self.bar.set_postfix_str(
             f"running={self.counts['running']} ok={self.counts['ok']}{skipped} {failed}{best}".strip()
@@ -120,7 +121,9 @@ class Tally:
             f"{self.skipped()}" + (f", failed: {failed}" if failed else "")
         ]
         if self.best:
-            lines.append(f"best stable {self.objective} within the policies: {self.best[0]:.4g} (trial {self.best[1]})")
+            lines.append(
+                f"best stable {self.objective} within the policies: {figure(self.best[0])} (trial {self.best[1]})"
+            )
         if self.counts["killed_by_sweep"] and not self.retry:
             lines.append(self.killed())
         lines.append(f"storage: {storage_url}  |  MLflow: {tracking_uri} (experiment '{self.study_name}')")
