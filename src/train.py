@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from src import quiet
-from src.config import register_configs
+from src.config import PROJECT_DIR, register_configs
 from src.handoff import RUN_ENV, die_with_parent
 from src.trial.attempts import RUN_DIR_ENV, drop_elastic_env
 
@@ -118,7 +118,25 @@ def _where(cfg: DictConfig, out_dir: Path, run_id: str) -> str:
     )
 
 
+def missing_experiment(argv: list[str], conf_dir: Path = PROJECT_DIR / "conf") -> str | None:
+    """`experiment=<name>` whose file is not in conf/experiment/: the one line that says where it comes from (Hydra's
+    own error lists the options and its search path, not that `production` is written by a promotion)."""
+    for arg in argv:
+        name = arg.removeprefix("+").split("=", 1)[1] if arg.removeprefix("+").startswith("experiment=") else None
+        if name and not (conf_dir / "experiment" / f"{name}.yaml").exists():
+            if name == "production":
+                return (
+                    "experiment=production: conf/experiment/production.yaml does not exist yet; it is written by "
+                    "python -m src.promote <study> (the best soaked setting of a sweep)"
+                )
+            return f"experiment={name}: conf/experiment/{name}.yaml does not exist"
+    return None
+
+
 if __name__ == "__main__":
+    if why := missing_experiment(sys.argv[1:]):
+        print(why, file=sys.stderr)
+        sys.exit(2)
     if os.environ.get(RUN_DIR_ENV):  # an attempt: dies with its supervisor; trains as one plain process
         drop_elastic_env()
         die_with_parent(os.getppid())

@@ -387,3 +387,23 @@ def test_what_a_failure_cost_counts_from_the_last_commit_even_for_a_death_withou
     m = summary(ledger)
     assert m["restarts"] == 1 and m["redone_s"] == 300.0 and m["lost_s"] == 340.0  # + the next start-up
     assert m["training_s"] == 940.0 + 459.0 and m["checkpoint_overhead_frac"] == pytest.approx(4.0 / 1399.0)
+
+
+def test_experiment_production_before_any_promotion_says_where_the_file_comes_from(root: Path, tmp_path: Path) -> None:
+    """Before any promotion, `experiment=production` silently trained the default recipe (the experiment group was
+    optional): it is refused in one line that names the file and the command that writes it, and nothing is run."""
+    from src.train import missing_experiment
+
+    (tmp_path / "experiment").mkdir()
+    assert missing_experiment(["experiment=production"], tmp_path) == (
+        "experiment=production: conf/experiment/production.yaml does not exist yet; it is written by python -m "
+        "src.promote <study> (the best soaked setting of a sweep)"
+    )
+    (tmp_path / "experiment" / "production.yaml").write_text("# @package _global_\n")
+    assert missing_experiment(["trainer.max_steps=2", "experiment=production"], tmp_path) is None
+    done = run_cli("src.train", "experiment=no_such_setting", "trainer.max_steps=2", root=root, timeout=120)
+    assert (done.returncode, done.stderr.strip()) == (
+        2,
+        "experiment=no_such_setting: conf/experiment/no_such_setting.yaml does not exist",
+    )
+    assert not (root / "sweeps").exists() and not (root / "mlruns").exists()
