@@ -28,7 +28,7 @@ _SPECIAL_TOKEN_KEY = re.compile(r"^(?:bos|eos|pad|unk|sep|cls|mask|additional_sp
 SECRET_VALUE_PATTERNS = {
     "a Hugging Face token": re.compile(r"\bhf_[A-Za-z0-9]{20,}"),
     "a password inside a URI": re.compile(r"(?<=://)[^/\s:@'\"]+:[^/\s@'\"]+(?=@)"),
-    "a password in a query string": re.compile(r"(?i)(?<=[?&;\s]password=)[^&\s'\"]+"),
+    "a password in a query string": re.compile(r"(?i)(?<=[?&;\s]password=)(?:[^&\s'\"\\]|\\[^&\s'\"])+"),
     "an API token": re.compile(r"\b(?:sk|ghp|gho|ghs|github_pat|glpat|xox[abprs])[-_][A-Za-z0-9_-]{16,}"),
     "an HTTP authorization credential": re.compile(
         r"(?i)(?<=\bbasic )[A-Za-z0-9+/]{12,}={0,2}|(?<=\bbearer )[A-Za-z0-9._~+/-]{12,}=*"
@@ -38,9 +38,15 @@ SECRET_VALUE_PATTERNS = {
 # a Hydra override, a repr): the value is replaced whatever its shape. A key is looked for only from the first
 # character of a run of key characters (the lookbehind), so each run is read once: linear in the text. (Looked for
 # from every character of a long run, each start read the rest of the run: a 100,000-character prompt took minutes.)
+# Text that is itself inside a JSON string (run.json, written as JSON and then redacted) escapes its quotes: `\"` is a
+# quote, and a value ends before an escaped quote, never taking its backslash (that left the JSON unreadable). A
+# quoted value left open (a line quoted up to a length) runs to the next quote or the line's end; a quote followed
+# by JSON's punctuation closes a string that ended with the key, and opens no value.
 _KEY_VALUE = re.compile(
-    rf"(?<![A-Za-z0-9_.-])(?P<key>[A-Za-z0-9_.-]*?(?:{_SECRET_WORDS}))(?P<sep>[\"']?[ \t]*+[:=][ \t]*+)"
-    r"(?:(?P<quote>[\"'])(?P<quoted>[^\"'\n]*)(?P=quote)|(?P<value>[^\s\"'`,}\]]+))",
+    rf"(?<![A-Za-z0-9_.-])(?P<key>[A-Za-z0-9_.-]*?(?:{_SECRET_WORDS}))"
+    r"(?P<sep>(?:\\?[\"'])?[ \t]*+[:=][ \t]*+)"
+    r"(?:(?P<quote>\\?[\"'])(?![ \t]*[,:}\]])(?P<quoted>(?:[^\"'\\\n]|\\[^\"'\n])*+)(?P<close>(?P=quote)|(?=\\?(?:[\"'\n]|\Z)))"
+    r"|(?P<value>(?:[^\s\"'`,}\]\\]|\\[^\s\"'])++))",
     re.IGNORECASE,
 )
 _NOT_SECRET_VALUES = {"null", "none", "true", "false", "''", '""', REDACTED}
@@ -127,8 +133,7 @@ def _redact_key_value(match: re.Match[str]) -> str:
     value = match["quoted"] if match["quote"] else match["value"]
     if not is_secret_key(match["key"]) or value.lower() in _NOT_SECRET_VALUES or value.startswith("${") or not value:
         return match[0]
-    quote = match["quote"] or ""
-    return f"{match['key']}{match['sep']}{quote}{REDACTED}{quote}"
+    return f"{match['key']}{match['sep']}{match['quote'] or ''}{REDACTED}{match['close'] or ''}"
 
 
 def redact_text(text: str) -> str:
