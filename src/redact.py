@@ -45,7 +45,8 @@ SECRET_VALUE_PATTERNS = {
 _KEY_VALUE = re.compile(
     rf"(?<![A-Za-z0-9_.-])(?P<key>[A-Za-z0-9_.-]*?(?:{_SECRET_WORDS}))"
     r"(?P<sep>(?:\\?[\"'])?[ \t]*+[:=][ \t]*+)"
-    r"(?:(?P<quote>\\?[\"'])(?![ \t]*[,:}\]])(?P<quoted>(?:[^\"'\\\n]|\\[^\"'\n])*+)(?P<close>(?P=quote)|(?=\\?(?:[\"'\n]|\Z)))"
+    r"(?:(?P<quote>\\?[\"'])(?![ \t]*[,:}\]])(?P<quoted>(?:[^\"'\\\n]|\\[^\"'\n])*+)"
+    r"(?P<close>(?P=quote)|(?=\\?(?:[\"'\n]|\Z)))"
     r"|(?P<value>(?:[^\s\"'`,}\]\\]|\\[^\s\"'])++))",
     re.IGNORECASE,
 )
