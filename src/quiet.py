@@ -12,7 +12,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 # (category, message regex): warnings that every trial would print, each harmless here
@@ -56,7 +56,9 @@ STORE_LOGGERS = ("mlflow", "alembic", "sqlalchemy", "sqlalchemy.engine")
 
 class LogFile(logging.FileHandler):
     """A log file that never troubles the terminal: opened (its folder made) at its first record, and a record it
-    cannot write (the full disk it may be reporting) dropped instead of logging's "--- Logging error ---" page.
+    cannot write (the full disk it may be reporting) dropped instead of logging's "--- Logging error ---" page, with
+    the file's buffer: closing a file whose buffered write the disk refused raised that write's `OSError: [Errno 28]`
+    (a 38-line traceback in place of the sweep's stop line, #47.15). The next record opens it again.
     `error_records`: records at ERROR or with a traceback that it did write."""
 
     def __init__(self, path: Path) -> None:
@@ -73,11 +75,28 @@ class LogFile(logging.FileHandler):
             super().emit(record)
         except OSError:
             self._lost = True
-        if not self._lost and (record.levelno >= logging.ERROR or record.exc_info):
+        if self._lost:
+            self._drop()
+        elif record.levelno >= logging.ERROR or record.exc_info:
             self.error_records += 1
 
     def handleError(self, record: logging.LogRecord) -> None:
         self._lost = True
+
+    def close(self) -> None:
+        self.acquire()
+        try:
+            self._drop()
+        finally:
+            self.release()
+        super().close()
+
+    def _drop(self) -> None:
+        """Close the file, letting go of what it could not write (its descriptor is closed all the same)."""
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            with suppress(OSError):
+                stream.close()
 
 
 @contextmanager
