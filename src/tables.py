@@ -11,8 +11,10 @@ converts them); an old .xls only whole (xlrd reads the whole file).
 from __future__ import annotations
 
 import codecs
+import csv
 import itertools
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,10 +23,15 @@ from typing import Any
 import pandas as pd
 
 from src.failures import DataError
+from src.redact import redact_text
 
 # A block: at most this many rows, and (where a row's size is known before it is parsed) about this many bytes.
 BLOCK_ROWS = 4096
 BLOCK_BYTES = 8 << 20
+# A cell holds at most MAX_CELL_CHARS characters (about 250,000 tokens: past any model's context), a jsonl row or csv
+# line MAX_ROW_BYTES; longer is refused, read no further (#47.16: one 100 MB cell took preflight to 16.8 GB, growing).
+MAX_CELL_CHARS = 1 << 20
+MAX_ROW_BYTES = 16 << 20
 # A read that lasts longer than this shows its progress (tqdm's `delay`): the file's bytes or rows read so far.
 PROGRESS_AFTER_S = 2.0
 EXCEL = (".xlsx", ".xls")
@@ -57,22 +64,21 @@ def read_blocks(data_cfg: Any) -> Iterator[pd.DataFrame]:
     if reader is None:
         raise DataError(f"data.path: unsupported format '{path.suffix}' for {path}; use one of {sorted(_READERS)}")
     sheets = _sheet_names(path, data_cfg.sheet) if suffix in EXCEL else []
-    bar = _Progress(path, rows=suffix in (".parquet", *EXCEL))
-    raw = _guarded(path, reader(path, data_cfg.sheet, bar.advance, bar.set_total))
+    bar = _progress(path, rows=suffix in (".parquet", *EXCEL))
+    raw = _guarded(path, reader(path, data_cfg.sheet, bar.update, lambda total: setattr(bar, "total", total)))
     try:
         first = next(raw)  # every reader yields at least one block, empty where the file has no row
+        for key in ("input_column", "output_column"):
+            if data_cfg[key] not in first.columns:  # the name is the user's: a token there is not repeated
+                raise DataError(redact_text(_missing_column(data_cfg, key, path, list(first.columns), sheets)))
     except BaseException:
         bar.close()
         raise
-    for key in ("input_column", "output_column"):
-        if data_cfg[key] not in first.columns:
-            bar.close()
-            raise DataError(_missing_column(data_cfg, key, path, list(first.columns), sheets))
     return _numbered(first, raw, data_cfg, max_rows, bar)
 
 
 def _numbered(
-    first: pd.DataFrame, raw: Iterator[pd.DataFrame], data_cfg: Any, max_rows: int | None, bar: _Progress
+    first: pd.DataFrame, raw: Iterator[pd.DataFrame], data_cfg: Any, max_rows: int | None, bar: Any
 ) -> Iterator[pd.DataFrame]:
     columns = list(dict.fromkeys([data_cfg.input_column, data_cfg.output_column]))
     done = 0
@@ -81,8 +87,10 @@ def _numbered(
             if max_rows is not None:
                 block = block.iloc[: max_rows - done]
             block = block.loc[:, columns]
+            lines = block.index if block.index.name == "line" else None  # a jsonl's: its rows' lines
             # Row numbers as a person sees them in the sheet (header is row 1).
             block.index = pd.RangeIndex(done + 2, done + 2 + len(block), name="row")
+            _check_cells(block, lines, Path(data_cfg.path))
             done += len(block)
             if len(block) or done == 0:  # an empty file still gives one (empty) block with its columns
                 yield block
@@ -91,6 +99,28 @@ def _numbered(
     finally:
         raw.close()  # the file, at once (a max_rows read stops early)
         bar.close()
+
+
+def _check_cells(block: pd.DataFrame, lines: pd.Index | None, path: Path) -> None:
+    """A cell longer than MAX_CELL_CHARS is refused before anything tokenizes it (a JSON value by its text)."""
+    for column in block.columns:
+        sizes = block[column].map(lambda v: len(v if isinstance(v, str) else _json_text(v))).to_numpy()
+        if len(sizes) and sizes[at := int(sizes.argmax())] > MAX_CELL_CHARS:
+            row = block.index[at]
+            where = f"line {lines[at]} of {path.name} (row {row})" if lines is not None else f"row {row} of {path.name}"
+            raise DataError(_too_long(where, column, f"a cell of {sizes[at]:,} characters"))
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, dict | list) else ""
+
+
+def _too_long(where: str, column: str | None, what: str = f"longer than {MAX_ROW_BYTES >> 20} MiB") -> str:
+    cell = f", column '{column}'" if column is not None else ""
+    return (
+        f"data.path: {where}{cell}: {what}, over the limit (a cell may hold {MAX_CELL_CHARS:,} characters, about "
+        f"250,000 tokens, past any model's context; a row {MAX_ROW_BYTES >> 20} MiB); shorten or drop the row"
+    )
 
 
 def _guarded(path: Path, blocks: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
@@ -110,27 +140,46 @@ def _guarded(path: Path, blocks: Iterator[pd.DataFrame]) -> Iterator[pd.DataFram
 
 
 def _jsonl(path: Path, sheet: Any, advance: Advance, set_total: Advance) -> Iterator[pd.DataFrame]:
-    """One JSON object per line, read line by line. A line that is not one is named by its number, as an editor
-    shows it (pandas gives a byte position). A JSON null is a missing cell; the text "null" is text."""
+    """One JSON object per line, read line by line (none past MAX_ROW_BYTES). A line that is not one is named by its
+    number, as an editor shows it. A JSON null is a missing cell; the text "null" is text."""
     set_total(path.stat().st_size)
-    records: list[dict[str, Any]] = []
-    size = 0
+    records: list[tuple[int, dict[str, Any]]] = []  # (line, record)
+    size = kept = 0
     yielded = False
     decoder = codecs.getincrementaldecoder("utf-8")()
     with path.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
+        for number, raw in enumerate(iter(lambda: lines.readline(MAX_ROW_BYTES + 1), b""), start=1):
             advance(len(raw))
+            if len(raw) > MAX_ROW_BYTES:
+                raise DataError(
+                    _too_long(f"line {number} of {path.name} (row {kept + len(records) + 2})", _cut_key(raw))
+                )
             line = decoder.decode(raw)
             if not line.strip():
                 continue
-            records.append(_record(line, number, path))
+            records.append((number, _record(line, number, path)))
             size += len(raw)
             if len(records) >= BLOCK_ROWS or size >= BLOCK_BYTES:
                 yield _frame(records)
+                kept += len(records)
                 records, size, yielded = [], 0, True
         decoder.decode(b"", final=True)
     if records or not yielded:
         yield _frame(records)
+
+
+def _cut_key(head: bytes) -> str | None:
+    """The top-level key whose value runs past `head`, a line's first bytes; None where none can be told. Read by its
+    strings (whole), brackets and colons; a lone quote opens the string `head` cuts short."""
+    depth, key, previous = 0, None, b""
+    for token in (m[0] for m in re.finditer(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|[{}\[\]:]|"', head, re.DOTALL)):
+        if token == b'"':
+            break
+        depth += (token in (b"{", b"[")) - (token in (b"}", b"]"))
+        if token == b":" and depth == 1 and previous.startswith(b'"'):
+            key = previous
+        previous = token
+    return json.loads(key.decode("utf-8", errors="replace")) if key is not None else None
 
 
 def _record(line: str, number: int, path: Path) -> dict[str, Any]:
@@ -138,20 +187,26 @@ def _record(line: str, number: int, path: Path) -> dict[str, Any]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{where} is not valid JSON ({exc.msg}, column {exc.colno}): {line.strip()[:120]}") from None
+        raise DataError(f"{where} is not valid JSON ({exc.msg}, column {exc.colno}): {_quoted(line)}") from None
     if not isinstance(record, dict):
         kind = _JSON_TYPES.get(type(record), type(record).__name__)
-        raise DataError(f"{where} is a JSON {kind}, not an object of column: value: {line.strip()[:120]}")
+        raise DataError(f"{where} is a JSON {kind}, not an object of column: value: {_quoted(line)}")
     return record
+
+
+def _quoted(line: str) -> str:
+    """A line's start, as an error quotes it: redacted before it is cut (a token cut short is known by no shape)."""
+    return redact_text(line.strip()[:4096])[:120]
 
 
 _JSON_TYPES = {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
-def _frame(records: list[dict[str, Any]]) -> pd.DataFrame:
-    """A block of records; values kept as they were parsed (a column's type is not guessed per block)."""
-    columns = list(dict.fromkeys(k for r in records for k in r))
-    return pd.DataFrame([[r.get(k) for k in columns] for r in records], columns=columns, dtype=object)
+def _frame(records: list[tuple[int, dict[str, Any]]]) -> pd.DataFrame:
+    """A block of records, indexed by their lines; values as parsed (a column's type is not guessed per block)."""
+    columns = list(dict.fromkeys(k for _, r in records for k in r))
+    rows = [[r.get(k) for k in columns] for _, r in records]
+    return pd.DataFrame(rows, columns=columns, dtype=object, index=pd.Index([n for n, _ in records], name="line"))
 
 
 def _csv(path: Path, sheet: Any, advance: Advance, set_total: Advance) -> Iterator[pd.DataFrame]:
@@ -165,7 +220,8 @@ def _csv(path: Path, sheet: Any, advance: Advance, set_total: Advance) -> Iterat
         per_row = max(1, len(head) // max(1, head.count(b"\n")))
         rows = max(1, min(BLOCK_ROWS, BLOCK_BYTES // per_row))
         seen = 0
-        chunks = pd.read_csv(f, dtype=str, keep_default_na=False, na_filter=False, chunksize=rows, encoding="utf-8")
+        lines = _Lines(f, path)
+        chunks = pd.read_csv(lines, dtype=str, keep_default_na=False, na_filter=False, chunksize=rows, encoding="utf-8")
         with chunks:
             yielded = False
             for chunk in chunks:
@@ -176,6 +232,36 @@ def _csv(path: Path, sheet: Any, advance: Advance, set_total: Advance) -> Iterat
                 yielded = True
     if not yielded:  # a header and no row
         yield pd.read_csv(path, dtype=str, nrows=0, encoding="utf-8")
+
+
+class _Lines:
+    """A csv file as pandas reads it (a MiB at a time), refused at its first line longer than MAX_ROW_BYTES: pandas
+    reads a field whole, whatever its size. A quoted cell that spans lines is refused once read, by its length."""
+
+    mode = "rb"  # pandas reads it as the binary file it is
+
+    def __init__(self, f: Any, path: Path) -> None:
+        self.f, self.path, self.line, self.run, self.head = f, path, 1, 0, b""
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(min(n, 1 << 20) if n >= 0 else 1 << 20)
+        end = data.find(b"\n")
+        self.run += len(data) if end < 0 else end
+        self.head += data[: max(0, min(1 << 16, self.run) - len(self.head))]  # the line's start, to name the column
+        if self.run > MAX_ROW_BYTES:
+            raise DataError(_too_long(f"line {self.line} of {self.path.name}", self._column()))
+        if end >= 0:  # a new line begins after the chunk's last line break
+            self.line += data.count(b"\n")
+            last = data.rfind(b"\n")
+            self.run, self.head = len(data) - last - 1, data[last + 1 :][: 1 << 16]
+        return data
+
+    def _column(self) -> str | None:
+        """The column the long line's start has reached, by the header's name (none for the header itself)."""
+        with self.path.open(encoding="utf-8", errors="replace", newline="") as f:
+            header = next(csv.reader([f.readline(MAX_ROW_BYTES)]), []) if self.line > 1 else []
+        fields = next(csv.reader([self.head.decode("utf-8", errors="replace")]), [])
+        return header[len(fields) - 1] if 0 < len(fields) <= len(header) else None
 
 
 def _parquet(path: Path, sheet: Any, advance: Advance, set_total: Advance) -> Iterator[pd.DataFrame]:
@@ -225,19 +311,15 @@ def _excel(path: Path, sheet: Any, advance: Advance, set_total: Advance) -> Iter
         for cells in rows:
             advance(1)
             values = [_excel_cell(c) for c in cells[: len(names)]]
-            if not any(v != "" for v in values) and not _has_data(cells[len(names) :]):
+            if not any(v != "" for v in values) and all(c.value is None for c in cells[len(names) :]):
                 empty_run += 1
                 continue
-            kept = itertools.chain(
-                itertools.repeat([""] * len(names), empty_run), [values + [""] * (len(names) - len(values))]
-            )
+            block += [[""] * len(names)] * empty_run + [values + [""] * (len(names) - len(values))]
             empty_run = 0
-            for row in kept:
-                block.append(row)
-                if len(block) >= BLOCK_ROWS:
-                    yield _excel_frame(block, names)
-                    block = []
-        yield _excel_frame(block, names)
+            while len(block) >= BLOCK_ROWS:
+                yield pd.DataFrame(block[:BLOCK_ROWS], columns=names, dtype=object)
+                block = block[BLOCK_ROWS:]
+        yield pd.DataFrame(block, columns=names, dtype=object)
     finally:
         book.close()
 
@@ -256,10 +338,6 @@ def _excel_cell(cell: Any) -> Any:
     return str(value)
 
 
-def _has_data(cells: Any) -> bool:
-    return any(c.value is not None for c in cells)
-
-
 def _column_names(header: list[Any]) -> list[str]:
     """The header's names as pandas makes them: an empty one `Unnamed: <i>`, a repeated one `name.1`, `name.2`."""
     names: list[str] = []
@@ -274,10 +352,6 @@ def _column_names(header: list[Any]) -> list[str]:
     return names
 
 
-def _excel_frame(block: list[list[Any]], names: list[str]) -> pd.DataFrame:
-    return pd.DataFrame(block, columns=names, dtype=object)
-
-
 _READERS: dict[str, Callable[[Path, Any, Advance, Advance], Iterator[pd.DataFrame]]] = {
     ".xlsx": _excel,
     ".xls": _excel,
@@ -287,24 +361,13 @@ _READERS: dict[str, Callable[[Path, Any, Advance, Advance], Iterator[pd.DataFram
 }
 
 
-class _Progress:
+def _progress(path: Path, rows: bool) -> Any:
     """A progress bar on stderr for a read that takes longer than PROGRESS_AFTER_S (tqdm's delay): bytes of a
     jsonl or csv, rows of a parquet or a sheet."""
+    from tqdm.auto import tqdm
 
-    def __init__(self, path: Path, rows: bool) -> None:
-        from tqdm.auto import tqdm
-
-        unit = {"unit": "row"} if rows else {"unit": "B", "unit_scale": True, "unit_divisor": 1024}
-        self.bar = tqdm(desc=f"reading {path.name}", delay=PROGRESS_AFTER_S, leave=False, file=sys.stderr, **unit)
-
-    def set_total(self, total: int) -> None:
-        self.bar.total = total
-
-    def advance(self, n: int) -> None:
-        self.bar.update(n)
-
-    def close(self) -> None:
-        self.bar.close()
+    unit = {"unit": "row"} if rows else {"unit": "B", "unit_scale": True, "unit_divisor": 1024}
+    return tqdm(desc=f"reading {path.name}", delay=PROGRESS_AFTER_S, leave=False, file=sys.stderr, **unit)
 
 
 def not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
