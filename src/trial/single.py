@@ -252,7 +252,13 @@ def failure_of(exc: BaseException, meas: Any, rank: int | None = None) -> Failur
     step = None
     if meas is not None and meas.startup_s is not None:
         step = meas.step if kind == "nan_loss" else meas.step + 1
-    return Failure(kind, first_line(f"{type(exc).__name__}: {exc}"), step, rank)
+    return Failure(kind, failure_message(f"{type(exc).__name__}: {exc}"), step, rank)
+
+
+def failure_message(text: str) -> str:
+    """A failure's message as every record shows it (result.json, tags, the terminal): its first line, redacted
+    before it is cut, so that a token the cut falls in is still known by its shape (a data error quotes the data)."""
+    return first_line(redact.redact_text(text[:65536]))
 
 
 def record(cfg: DictConfig, out_dir: Path, ctx: TrialContext, failure: Failure | None) -> dict[str, Any]:
@@ -265,7 +271,7 @@ def record(cfg: DictConfig, out_dir: Path, ctx: TrialContext, failure: Failure |
         ctx.log_text(traceback.format_exc(), "measurement_error.txt")
         metrics = {}
         if failure is None:
-            failure = Failure("other", first_line(f"measurement failed: {type(exc).__name__}: {exc}"))
+            failure = Failure("other", failure_message(f"measurement failed: {type(exc).__name__}: {exc}"))
     metrics["vram_budget_gib"] = budget
     metrics.update(ctx.budget)
     metrics.update(ctx.phases)
@@ -285,6 +291,8 @@ def record(cfg: DictConfig, out_dir: Path, ctx: TrialContext, failure: Failure |
     if meas:
         _log_series(ctx.client, ctx.run_id, meas)
     status = "failed" if failure else "ok"
+    if failure:  # whoever made it: result.json is read back by the supervisor and shown on the terminal
+        failure.message = redact.redact_text(failure.message)
     tags: dict[str, Any] = rec.outcome_tags(status, failure.as_dict() if failure else None)
     if ctx.kernel():
         tags[rec.ATTENTION_KERNEL] = ctx.kernel()
