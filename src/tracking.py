@@ -17,7 +17,8 @@ from typing import Any
 
 from src import gpus, record
 from src.config import flatten
-from src.redact import REDACTED, is_secret_key, redact_text
+from src.failures import ConfigError
+from src.redact import REDACTED, is_secret_key, redact_text, refusal
 
 # MLflow's description of a run or an experiment (markdown, shown on its page and editable there).
 NOTE = "mlflow.note.content"
@@ -118,8 +119,13 @@ def setup(uri: str) -> None:
     mlflow.set_tracking_uri(uri)
 
 
-def experiment_id(name: str, artifacts_dir: str | None) -> str:
-    """The experiment `name`, created with its artifacts under `artifacts_dir` (local stores) if new."""
+def experiment_id(name: str, artifacts_dir: str | None, key: str = "tracking.experiment") -> str:
+    """The experiment `name`, created with its artifacts under `artifacts_dir` (local stores) if new. A name shaped
+    like a credential (the config's `key`) is refused before anything is made: MLflow keeps a name in clear, in its
+    store and as the artifacts' folder, and shows it in its UI."""
+    why = refusal(key, name)
+    if why:
+        raise ConfigError(why)
     import mlflow
     from mlflow.tracking import MlflowClient
 
