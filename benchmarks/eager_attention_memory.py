@@ -8,8 +8,8 @@ during forward + backward beyond what was allocated before, divided by the score
 lengths across the range, with and without non-reentrant checkpointing, under bf16 autocast as the trainer runs it,
 with the residual stream (the block's input, the mask, the rotary tables) in bf16 or, as peft's upcast of the
 non-quantized weights leaves it, fp32; plus the softmax alone.
-    device (carry .whl):  bash benchmarks/eager_attention_memory.sh
-    -> $OUT/eager_attention_memory.json (copy to benchmarks/results/eager_attention_memory_<card>.json)
+    source benchmarks/gpu_stack.sh && python -m benchmarks run eager_attention_memory   (carry .whl)
+    -> $OUT/eager_attention_memory_<card>.json (commit it under benchmarks/results/)
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main() -> None:
     import transformers
 
     result = {
-        "command": "bash benchmarks/eager_attention_memory.sh",
+        "command": "python -m benchmarks run eager_attention_memory",
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "rule": "peak allocated beyond what was allocated before the block's forward (its input, mask and rotary "

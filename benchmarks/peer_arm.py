@@ -1,8 +1,9 @@
-"""One peer arm of speed v6 (benchmarks/speed_v6_h200.py) in this process: Unsloth's QLoRA, or plain peft + trl at
-the same setting, on the project's model and data, capped and measured as the project's own trials are.
+"""One peer of this project's trials in this process (benchmarks/suites/peers.yaml): Unsloth's QLoRA, or plain peft +
+trl at the same setting, on the project's model and data, capped and measured as the project's own trials are.
 
     python -m benchmarks.peer_arm --stack unsloth|peft --out FILE [--model llama3_8b_synthetic] [--max-seq-length 4096]
         [--batch 4] [--accumulation 2] [--lora-dropout 0] [--max-steps 15] [--warmup-steps 3] [--stop-after-s S]
+        [--wheels .whl_unsloth --site /tmp/site_unsloth]
 
 - unsloth: `FastLanguageModel.from_pretrained(<the model's local path>, load_in_4bit=True)` +
   `FastLanguageModel.get_peft_model(..., use_gradient_checkpointing="unsloth")` + trl's SFTTrainer (which `import
@@ -11,14 +12,16 @@ the same setting, on the project's model and data, capped and measured as the pr
 - peft: `AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(NF4, double quant, bf16
   compute))` + `SFTTrainer(peft_config=LoraConfig(...))`, as trl's own sft script builds it (SDPA attention, trl's
   defaults: gradient checkpointing on).
-Both: the same LoRA (rank, alpha, the seven projections), SFTConfig(packing=True, max_length, batch, accumulation,
+Unsloth pins trl<=1.15 and datasets<5: with --wheels (benchmarks/unsloth_wheels.sh fills .whl_unsloth) they are
+installed into --site, put first on the path, ahead of the project's stack. Both: the same LoRA (rank, alpha, the seven projections), SFTConfig(packing=True, max_length, batch, accumulation,
 optim adamw_8bit as Unsloth's notebooks), the data as the project's trials read it (data=clinical_notes, its chats).
 
 Measured as a trial: the allocator capped to the budget before the model loads (src/measure/memory.cap_to_budget),
 src/measure's Measurements callback (synchronized step times, the trainer's non-padding tokens, NVML's peak) and,
-per micro-batch, the real sequence lengths the model's forward receives (speed_v6_h200.row_lengths) for the useful
-FLOPs (speed_v6_h200.useful_flops). The JSON at --out is rewritten after every step, so a run cut short keeps what it
-measured; any failure, an import error included, is written there with its kind and message.
+per micro-batch, the real sequence lengths the model's forward receives (`row_lengths`) for the useful FLOPs
+(`useful_flops`: src/measure/flops.py's formula, tests/test_speed_v6.py shows they agree). The JSON at --out is
+rewritten after every step, so a run cut short keeps what it measured; any failure, an import error included, is
+written there with its kind and message.
 """
 
 from __future__ import annotations
@@ -30,16 +33,55 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-
-from benchmarks.speed_v6_h200 import matmul_params, row_lengths, useful_flops
 
 STARTED = time.time()
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VERSIONS = ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "datasets", "unsloth",
             "unsloth_zoo", "triton", "xformers", "cut_cross_entropy")  # fmt: skip
+
+
+def useful_flops(params: float, layers: int, attn_width: int, lengths: Sequence[float]) -> float:
+    """Useful training FLOPs of sequences of `lengths` real tokens: src/measure/flops.py's formula (4 x P x L for the
+    matmuls, forward and backward to the inputs; 6 x layers x width x L^2 for causal attention)."""
+    return sum(4.0 * params * n + 6.0 * layers * attn_width * float(n) ** 2 for n in lengths)
+
+
+def matmul_params(config: Any, lora_r: int, targets: Sequence[str]) -> float:
+    """P of `useful_flops` from a Llama-type config and the LoRA on `targets`: in x out of each projection, LoRA's A
+    and B (r x (in + out)) on the targeted ones, and lm_head. What FlopCounter sums over the nn.Linear modules of the
+    project's model, computed from the architecture so that a library that fuses or wraps modules counts the same."""
+    d, inter = int(config.hidden_size), int(config.intermediate_size)
+    head_dim = getattr(config, "head_dim", None) or d // int(config.num_attention_heads)
+    q, kv = int(config.num_attention_heads) * head_dim, int(config.num_key_value_heads) * head_dim
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, inter),
+              "up_proj": (d, inter), "down_proj": (inter, d)}  # fmt: skip
+    layer = sum(i * o for i, o in shapes.values()) + sum(lora_r * (shapes[t][0] + shapes[t][1]) for t in targets)
+    return float(int(config.num_hidden_layers) * layer + d * int(config.vocab_size))
+
+
+def row_lengths(kwargs: dict[str, Any]) -> list[int] | None:
+    """Real sequence lengths of a micro-batch from the model's forward arguments: FlopCounter's reading, except that
+    packed rows are read from their boundaries (Unsloth's `packed_seq_lengths`, else position ids that restart at 0)
+    even where a library also passes an all-ones attention mask, so a packed row never counts as one long sequence."""
+    import torch
+
+    mask, positions, ids = kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs.get("input_ids")
+    if kwargs.get("packed_seq_lengths") is not None:
+        return [int(x) for x in torch.as_tensor(kwargs["packed_seq_lengths"]).reshape(-1).tolist()]
+    packed = positions is not None and positions.dim() == 2 and bool((positions[:, 1:] == 0).any())
+    if mask is not None and mask.dim() == 2 and not packed:
+        return [int(x) for x in mask.sum(dim=-1).tolist()]
+    if positions is not None:
+        flat = positions.reshape(-1)
+        starts = torch.nonzero(flat == 0).reshape(-1).tolist()
+        return [e - s for s, e in zip(starts, [*starts[1:], flat.numel()], strict=True)]
+    if ids is not None:
+        return [int(ids.shape[-1])] * int(ids.shape[0])
+    return None
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +104,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-skip-layers", default="0", help="Unsloth's get_peft_model option ('auto': planned)")
     p.add_argument("--no-4bit", action="store_true", help="bf16 weights (a CPU smoke run: 4-bit needs CUDA there)")
     p.add_argument("--output-dir", default="/tmp/peer_arm_trainer")
+    p.add_argument("--wheels", default=None, help="Unsloth's wheels, installed into --site first (unsloth_wheels.sh)")
+    p.add_argument("--site", default="/tmp/site_unsloth", help="where --wheels go, first on the path")
     return p.parse_args(argv)
 
 
@@ -71,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                               "status": "failed", "failure": None}  # fmt: skip
     state: dict[str, Any] = {}
     try:
+        if args.wheels:
+            install(Path(args.wheels), Path(args.site))
         train(args, record, state)
         record["status"] = "ok"
     except BaseException as exc:  # noqa: BLE001 - every failure is written with its kind, then the process exits
@@ -83,6 +129,19 @@ def main(argv: list[str] | None = None) -> int:
         record["traceback"] = traceback.format_exc()[-6000:]
     finish(args, record, state)
     return 0 if record["status"] == "ok" else 1
+
+
+def install(wheels: Path, site: Path) -> None:
+    """Unsloth's environment (its trl and datasets pins) into `site`, first on this process's path."""
+    import subprocess
+
+    if not (site / "unsloth").exists():
+        found = sorted(str(p) for p in wheels.glob("*.whl"))
+        if not found:
+            raise ImportError(f"no Unsloth wheels in {wheels}: run bash benchmarks/unsloth_wheels.sh and carry it")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(site), *found], check=True)  # fmt: skip
+    sys.path.insert(0, str(site))
 
 
 def train(args: argparse.Namespace, record: dict, state: dict) -> None:
@@ -100,9 +159,11 @@ def train(args: argparse.Namespace, record: dict, state: dict) -> None:
     from src.config import compose
     from src.measure import Measurements
     from src.measure.memory import GIB, cap_to_budget
+    from src.models import ensure_built
 
     record["versions"] = versions()
     cfg = compose([f"model={args.model}", f"data={args.data}"])
+    ensure_built(cfg.model)  # a synthetic model is built where this machine has none yet, as a trial builds it
     record["model_path"] = str(cfg.model.path)
     record["budget"] = cap_to_budget(args.budget_gib)  # before the model loads, as a trial's budget is
     meas_cfg = SimpleNamespace(

@@ -3,7 +3,8 @@ a throwaway PostgreSQL cluster, an `mlflow server` on it (optionally with basic 
 
 Everything listens on 127.0.0.1 on a free port; every password is made up here and handed over in the
 environment (PGPASSWORD, MLFLOW_TRACKING_PASSWORD, ...), never on a command line or in a file a test keeps.
-The helpers are plain functions too, so `benchmarks/scale_out_latency.py`-style scripts can reuse them.
+The helpers are plain functions too, so a script can reuse them (the scale-out figures, benchmarks/results/
+scale_out_cpu.json, come from tests/test_scale_out.py with QLORA_SCALE_OUT_FIGURES).
 """
 
 from __future__ import annotations
