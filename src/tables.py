@@ -108,19 +108,17 @@ def _check_cells(block: pd.DataFrame, lines: pd.Index | None, path: Path) -> Non
         if len(sizes) and sizes[at := int(sizes.argmax())] > MAX_CELL_CHARS:
             row = block.index[at]
             where = f"line {lines[at]} of {path.name} (row {row})" if lines is not None else f"row {row} of {path.name}"
-            raise DataError(_too_long(where, column, f"a cell of {sizes[at]:,} characters"))
+            what = f"a cell of {sizes[at]:,} characters, over the limit of {MAX_CELL_CHARS:,} (~250,000 tokens)"
+            raise DataError(_too_long(where, column, what))
 
 
 def _json_text(value: Any) -> str:
     return json.dumps(value) if isinstance(value, dict | list) else ""
 
 
-def _too_long(where: str, column: str | None, what: str = f"longer than {MAX_ROW_BYTES >> 20} MiB") -> str:
+def _too_long(where: str, column: str | None, what: str = f"a row over the limit of {MAX_ROW_BYTES >> 20} MiB") -> str:
     cell = f", column '{column}'" if column is not None else ""
-    return (
-        f"data.path: {where}{cell}: {what}, over the limit (a cell may hold {MAX_CELL_CHARS:,} characters, about "
-        f"250,000 tokens, past any model's context; a row {MAX_ROW_BYTES >> 20} MiB); shorten or drop the row"
-    )
+    return f"data.path: {where}{cell}: {what}, past any model's context; shorten or drop the row"
 
 
 def _guarded(path: Path, blocks: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
