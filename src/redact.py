@@ -204,3 +204,19 @@ class RedactSecrets(Callback):
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         redact_logging()
+
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        """A job that raised: Hydra itself writes its overrides and its exception to stderr, past the logging
+        filter ("Error executing job with overrides: [...]", then the traceback); both are redacted first."""
+        from hydra.core.utils import JobStatus
+
+        job_return.overrides = [redact_text(str(o)) for o in job_return.overrides or []]
+        if job_return.status != JobStatus.FAILED:
+            return
+        job_return.status = JobStatus.COMPLETED  # read the exception without Hydra's printing of it
+        exc, job_return.status = job_return.return_value, JobStatus.FAILED
+        seen: set[int] = set()
+        while isinstance(exc, BaseException) and id(exc) not in seen:  # it, and what it was raised from
+            seen.add(id(exc))
+            exc.args = tuple(redact_text(a) if isinstance(a, str) else a for a in exc.args)
+            exc = exc.__cause__ or exc.__context__
