@@ -9,6 +9,7 @@ from pathlib import Path
 
 import optuna
 
+from src import stores
 from src.config import compose
 
 DEFAULT_MARGIN = 0.10
@@ -16,6 +17,11 @@ DEFAULT_MARGIN = 0.10
 
 class StudyNotFound(LookupError):
     """The study asked for is not in the storage; the message lists those that are."""
+
+
+class StudyUnreadable(StudyNotFound):
+    """The study's sweeps/<study>/optuna.db is there but damaged (truncated, overwritten): where StudyNotFound is
+    caught, the commands end with this one line instead of a page of SQLAlchemy's traceback (#47.17)."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +65,16 @@ def find_study(name: str | None, sweeps_dir: Path, storage: str | None = None) -
             raise StudyNotFound(
                 f"no study under {sweeps_dir} (run a sweep first: python -m src.train -m hydra/sweeper=optuna)"
             )
-        return dbs[-1].parent.name, study_storage(sweeps_dir, dbs[-1].parent.name)
-    if not (sweeps_dir / name / "optuna.db").exists():
+        name = dbs[-1].parent.name
+    elif not (sweeps_dir / name / "optuna.db").exists():
         found = ", ".join(p.parent.name for p in reversed(dbs)) or "none"
         raise StudyNotFound(f"no study '{name}' under {sweeps_dir}; studies there (latest first): {found}")
+    db = sweeps_dir / name / "optuna.db"
+    if why := stores.sqlite_damage(db):
+        raise StudyUnreadable(
+            f"study '{name}': its Optuna storage {db} is damaged: {why}; nothing was read: restore {db} from a "
+            "backup, or sweep again under a new study name"
+        )
     return name, study_storage(sweeps_dir, name)
 
 

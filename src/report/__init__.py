@@ -15,6 +15,8 @@ trial's run gets a `report.class` tag so the MLflow UI can filter by it. `src.pr
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from src.report.advice import what_to_change
 from src.report.importance import Importance, importance
 from src.report.memory import plot_predicted, plot_soak, section
 from src.report.page import html_page
-from src.report.plots import COLOURS, map_axes, plot_map, plot_memory, plot_throughput
+from src.report.plots import COLOURS, map_axes, plot_map, plot_memory, plot_throughput, put
 from src.report.publish import log_to_mlflow
 from src.report.text import fmt, markdown, summary, table
 from src.study import DEFAULT_MARGIN, Sweep, TrialRow, load
@@ -63,30 +65,51 @@ class Report:
     mlflow_view: str | None = None  # where MLflow's UI shows the trials by knobs and metrics (set when logged)
 
 
+NAMES = ("report.md", "stability_map.png", "peak_vram.png", "tokens_per_s.png", "report.html")
+EXTRA = ("predicted_vs_measured.png", "soak_memory.png")  # drawn where the study has what they show
+
+
 def write(sweep: Sweep) -> Report:
-    """report.md and its pictures in the study's folder."""
+    """report.md and its pictures in the study's folder, each written whole (src.report.plots `put`): a link in
+    place of one is replaced, never written through, and the terminal is told."""
     import matplotlib
 
     matplotlib.use("Agg")
     sweep.study_dir.mkdir(parents=True, exist_ok=True)
+    _say_links(sweep.study_dir)
     imps = [importance(sweep, "peak_vram_reserved_gib", "minimize"), importance(sweep, "tokens_per_s", "maximize")]
     axes = map_axes(sweep, imps[0].values or imps[1].values)
-    names = ("report.md", "stability_map.png", "peak_vram.png", "tokens_per_s.png", "report.html")
-    files = [sweep.study_dir / n for n in names]
+    files = [sweep.study_dir / n for n in NAMES]
     plot_map(sweep, *axes, files[1])
     metric = plot_memory(sweep, *axes, files[2])
     plot_throughput(sweep, files[3])
     advice = what_to_change(sweep)
-    files[0].write_text(markdown(sweep, imps, axes, metric, advice))
-    files[4].write_text(html_page(sweep, imps, axes, metric, advice))  # the same, to explore (src.report.page)
+    page = html_page(sweep, imps, axes, metric, advice)  # the same, to explore (src.report.page)
+    put(files[4], lambda f: f.write(page.encode()))
     # the memory model's predictions against what was measured, and the soak (src.report.memory)
-    extra = {"predicted_vs_measured.png": plot_predicted, "soak_memory.png": plot_soak}
+    extra = {EXTRA[0]: plot_predicted, EXTRA[1]: plot_soak}
     drawn = {name: draw(sweep, sweep.study_dir / name) for name, draw in extra.items()}
     files += [sweep.study_dir / name for name, done in drawn.items() if done]
-    lines = section(sweep, drawn["predicted_vs_measured.png"], drawn["soak_memory.png"])
-    if lines:
-        files[0].write_text(files[0].read_text() + "\n" + redact_text("\n".join(lines)))
+    text = markdown(sweep, imps, axes, metric, advice)
+    if lines := section(sweep, drawn[EXTRA[0]], drawn[EXTRA[1]]):
+        text += "\n" + redact_text("\n".join(lines))
+    put(files[0], lambda f: f.write(text.encode()))
     return Report(sweep, files, imps, None, advice)
+
+
+def _say_links(folder: Path) -> None:
+    """One line for the links found in place of the report's files (a shared sweeps/ folder, a planted link to a
+    file outside the project): the report replaces them with its own files and never writes where they point."""
+    links = [folder / n for n in (*NAMES, *EXTRA) if (folder / n).is_symlink()]
+    if links:
+        shown = ", ".join(f"{p.name} -> {os.readlink(p)}" for p in links)
+        print(
+            redact_text(
+                f"warning: {folder}: {shown}: symbolic links where the report writes its files, replaced by the "
+                "report's own; the files they pointed at are untouched"
+            ),
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

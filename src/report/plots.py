@@ -3,9 +3,11 @@ settings that finished."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from src.failures import MEMORY, oom_needed_gib
 from src.knobs import label
@@ -15,11 +17,27 @@ from src.study import Sweep, TrialRow, sort_key
 COLOURS = {"stable": "#2e7d32", "marginal": "#f9a825", "failed": "#c62828", "untested": "#e0e0e0"}
 
 
+def put(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Every file of the report: written whole into a file of its own beside `path` (made new: never a link), then
+    renamed onto `path`. A link planted in its place (to a file outside the project) is replaced itself, its target
+    never written (#47.17), and a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # one a killed report left (a link there: the link goes)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def save(fig: Any, path: Path) -> None:
     """Every picture of the report: 110 dpi, trimmed to what is drawn, and the figure's memory freed."""
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    put(path, lambda f: fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
 
 
