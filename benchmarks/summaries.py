@@ -208,9 +208,10 @@ def journey(record: dict, run: Any) -> dict:
 
 
 def production_file(run: Any) -> None:
-    """conf/experiment/production.yaml as the journey's promotion wrote it, where the checkout has none."""
+    """conf/experiment/production.yaml as the journey's promotion wrote it, where the run trains it and the checkout
+    has none."""
     target = PROJECT_DIR / "conf" / "experiment" / "production.yaml"
-    if not target.exists():
+    if "experiment=production" in run.fill(run.vars["setting"]) and not target.exists():
         source = PROJECT_DIR / run.fill(run.vars["journey"])
         target.write_text(json.loads(source.read_text())["production_file"])
 

@@ -41,6 +41,21 @@ def test_a_benchmark_runs_through_the_one_entry_point_into_a_file_named_by_its_c
     assert tiny["tokens_per_s"]["median"] == pytest.approx(row["result"]["metrics"]["tokens_per_s"])
 
 
+@pytest.mark.slow(seconds=120)
+def test_the_production_resume_benchmark_restarts_a_faulted_run_and_says_what_it_cost(root: Path) -> None:
+    """Issue 45's GPU benchmark, on the tiny Llama: its setting replaced, its summary read from the real ledger."""
+    setting = "data.max_rows=12 trainer.bf16=false trainer.warmup_steps=0 trainer.save_steps=4"
+    argv = ["run", "production_resume", f"setting={setting}", "steps=12", "fault_step=10", "--out", str(root / "out")]
+    done = subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=PROJECT_DIR, capture_output=True, text=True,
+                          timeout=900, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    s = json.loads((root / "out" / "production_resume_cpu.json").read_text())["summary"]
+    assert s["completed"] and s["restarts"] == 1 and s["failure"]["kind"] == "launch_failure"
+    assert s["failure"]["step"] == 10 and s["resumed_from_step"] == 8 and len(s["attempts"]) == 2
+    assert s["checkpoint_count"] >= 3 and s["lost_s"] is not None and s["lost_within_interval_plus_startup"]
+    assert set(s["losses_around_resume"]) >= {"8", "9", "10"}, "the losses around the resume, step by step"
+
+
 def test_every_definition_loads_runs_the_product_s_commands_and_its_trials_compose() -> None:
     from benchmarks import summaries
 
