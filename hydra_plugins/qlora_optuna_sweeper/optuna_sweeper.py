@@ -82,7 +82,8 @@ class OptunaSweeper(Sweeper):
         try:
             SweepEngine(self.config, arguments).run()
         except (SpaceError, StoreError, SlotsError) as exc:  # refused before anything was recorded: one line
-            sys.exit(f"error: {exc}")
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(getattr(exc, "exit_code", 1))  # 2: settings every trial would refuse, as a single run exits
 
 
 class OptunaSweeperOnly(Callback):

@@ -1,8 +1,10 @@
 """Checks that depend only on the data or on a swept value, run once for the whole space before any trial is
 launched (each trial runs them again): the data set loads as configured, each value of the space passes the config
-guards, and what each max_seq_length of the space cuts from the data. A sweep records the shares of rows and answers
-cut per setting instead of refusing the settings that cut (trials run with the policy relaxed, and are measured);
-a single training run and promotion still refuse past `preflight.max_truncated_answer_frac`.
+guards, what each max_seq_length of the space cuts from the data, and the config the first trial would get passes
+the trial's own preflight (a fixed setting every trial would refuse refuses the sweep, as it does a single run). A
+sweep records the shares of rows and answers cut per setting instead of refusing the settings that cut (trials run
+with the policy relaxed, and are measured); a single training run and promotion still refuse past
+`preflight.max_truncated_answer_frac`.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
-from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
-from src import knobs
+from src import knobs, redact
+from src.config import override_value
 from src.failures import ConfigError, DataError
-from src.sweep.space import SpaceError
+from src.sweep.space import SpaceError, outside_space
 
 log = logging.getLogger(__name__)
 SEQ = "data.max_seq_length"
@@ -25,6 +28,12 @@ SEQ = "data.max_seq_length"
 
 class SpaceRefused(SpaceError):
     """No trial of this sweep could run: the message says why, naming the key."""
+
+
+class TrialRefused(SpaceRefused):
+    """Every trial of this sweep would be refused by its own preflight: the trial's message, exit 2 as a single run."""
+
+    exit_code = 2
 
 
 @dataclass
@@ -54,8 +63,11 @@ class SpaceFacts:
         return self.truncation.get(length, {})
 
 
-def check_space(config: DictConfig, distributions: dict[str, BaseDistribution]) -> SpaceFacts:
-    """Raise SpaceRefused when the data cannot be read or every value of a knob is refused; else the facts."""
+def check_space(
+    config: DictConfig, distributions: dict[str, BaseDistribution], overrides: list[str] | None = None
+) -> SpaceFacts:
+    """Raise SpaceRefused when the data cannot be read or every value of a knob is refused, TrialRefused when the
+    first trial's config (`overrides`: the probe's and the fixed ones, given) fails its preflight; else the facts."""
     from src.data import chat_lengths, read_blocks, truncation
     from src.preflight.data import load_tokenizer
 
@@ -74,6 +86,8 @@ def check_space(config: DictConfig, distributions: dict[str, BaseDistribution]) 
     facts.truncation = {int(n): truncation(full, prompt, int(n)) for n in lengths if int(n) > 0}
     facts.lengths, facts.prompts = full, prompt
     facts.defaults = {k.key: OmegaConf.select(task, k.key) for k in knobs.with_facts()}
+    if overrides is not None:
+        check_first_trial(config, overrides, distributions, facts)
     return facts
 
 
@@ -112,3 +126,97 @@ def _refused_values(task: DictConfig, distributions: dict[str, BaseDistribution]
             if errors:
                 refused.setdefault(key, []).append(f"{value}: {errors[0]}")
     return refused
+
+
+def check_first_trial(
+    config: DictConfig, overrides: list[str], distributions: dict[str, BaseDistribution], facts: SpaceFacts
+) -> None:
+    """Raise TrialRefused when the config the first trial would get (`overrides`: the probe's and the fixed ones,
+    then a setting of the space: the first queued one, else each knob's first value the guards accept) fails the
+    preflight every trial runs first (credentials, config guards, the data's lint) for a reason that names no
+    swept key: every trial would fail the same way, and the sweep's map would be one config error per trial. The
+    machine's own checks are left to the trials: they need the training stack, which the engine does not load."""
+    from src.preflight import Report, check_config, check_data, check_secrets
+    from src.preflight.report import rows_text
+
+    cfg = _first_config(config, overrides, _first_setting(config.hydra.sweeper, distributions, facts), distributions)
+    report = Report()
+    try:
+        check_secrets(cfg, report)
+        check_config(cfg, report)
+        check_data(cfg, report)
+    except (ConfigError, DataError) as exc:  # the data as each trial would read it
+        raise TrialRefused(redact.redact_text(f"every trial of this sweep would fail: {_one_line(exc)}")) from None
+    refused = report.errors or (report.warnings if cfg.preflight.fail_on_warnings else [])
+    fixed = [f for f in refused if not _names_a_key(f.message, distributions)]
+    if fixed:
+        why = "; ".join(f.message + (f" (rows {rows_text(f.rows)})" if f.rows else "") for f in fixed)
+        raise TrialRefused(
+            redact.redact_text(
+                f"every trial of this sweep would be refused (preflight refused training: {_one_line(why)}); change "
+                "the setting (python -m src.preflight <the same overrides> shows the whole report). Nothing was run "
+                "or recorded"
+            )
+        )
+
+
+def _first_config(
+    config: DictConfig, overrides: list[str], setting: dict[str, Any], distributions: dict[str, BaseDistribution]
+) -> DictConfig:
+    """The config the first trial composes; without the setting when the composition refuses one of its values (that
+    is the value's trial's failure, not every trial's: interval(4,8) gives lora.r floats)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    swept = [f"{k}={override_value(v)}" for k, v in setting.items()]
+    try:
+        return _composed(str(config.hydra.job.config_name), [*overrides, *swept])
+    except (HydraException, OmegaConfBaseException) as exc:  # a key or value Hydra refuses, as each trial would
+        if swept and _names_a_key(str(exc), distributions):
+            return _first_config(config, overrides, {}, distributions)
+        raise TrialRefused(redact.redact_text(f"every trial of this sweep would fail: {_one_line(exc)}")) from None
+
+
+def _names_a_key(message: str, distributions: dict[str, BaseDistribution]) -> bool:
+    """Whether a refusal names a swept key: then it is that value's, not the fixed settings'."""
+    return any(key in message for key in distributions)
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split()) or type(text).__name__
+
+
+def _first_setting(sweeper: Any, distributions: dict[str, BaseDistribution], facts: SpaceFacts) -> dict[str, Any]:
+    """A setting of the space as the first trial gets it: the first queued setting (hydra.sweeper.enqueue_trials)
+    where the space holds it, each other knob at its first value the config guards accept (its low bound where the
+    values are not listed)."""
+    queued = list(sweeper.enqueue_trials or [])
+    first = OmegaConf.to_container(queued[0], resolve=True) if queued and OmegaConf.is_config(queued[0]) else {}
+    first = first if isinstance(first, dict) and not outside_space(first, distributions) else {}
+    setting = {}
+    for key, dist in distributions.items():
+        refused = {why.partition(": ")[0] for why in facts.refused.get(key, [])}  # "value: why" (_refused_values)
+        values = _values(dist)
+        accepted = [v for v in values if str(v) not in refused] or values
+        if key in first:
+            setting[key] = first[key]
+        elif accepted:
+            setting[key] = accepted[0]
+        elif isinstance(dist, IntDistribution | FloatDistribution):
+            setting[key] = dist.low
+    return setting
+
+
+def _composed(config_name: str, overrides: list[str]) -> DictConfig:
+    """The config a trial composes from `overrides`: inside the sweep's own Hydra app (python -m src.train -m), by
+    the app's own loader, which the compose API reaches without clearing it (Hydra still needs it once the sweep
+    returns); elsewhere (tests, src.cluster's workers) by src.config.compose."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if not GlobalHydra.instance().is_initialized():
+        from src.config import compose
+
+        return compose(overrides, config_name=config_name)
+    from hydra import compose as hydra_compose
+
+    return hydra_compose(config_name=config_name, overrides=overrides)

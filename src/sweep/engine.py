@@ -57,7 +57,7 @@ from src.sweep.process import start_launcher
 from src.sweep.rules import LaunchRules
 from src.sweep.runs import SweepRuns, parent_tags
 from src.sweep.slots import Slot, discover_slots
-from src.sweep.space import SpaceError, custom_space, sweep_space
+from src.sweep.space import SpaceError, custom_space, refuse_changed, sweep_space
 from src.sweep.stop import logged_to, on_signals, stopping, store_trouble
 from src.sweep.storage import StudyStore, worker_identity
 from src.sweep.tally import Tally
@@ -120,6 +120,7 @@ class SweepEngine:
     # -- the study and its runs --
 
     def open_study(self) -> optuna.Study:
+        refuse_changed(self.store.url, self.study_name, self.distributions, self.study_dir.parent)  # a resumed study
         return self.store.open(self.directions, self.distributions, self.objectives)
 
     def open_parent(self, study: optuna.Study) -> None:
@@ -167,7 +168,8 @@ class SweepEngine:
         tracking.fail_fast()  # a tracking server that dies mid-sweep stops it in seconds, not minutes
         slots = discover_slots(self.sweeper)  # refuses impossible slot settings before anything is recorded
         start_launcher(self.sweeper, wait=False)  # the forkserver imports the stack while the checks below run
-        self.gate.facts = check_space(self.config, self.distributions)  # the data and each value, once
+        # the data, each value, and the first trial's config (a fixed setting every trial would refuse), once
+        self.gate.facts = check_space(self.config, self.distributions, [*self.trial_overrides, *self.fixed])
         self.gate.memory = MemoryGate(self.config, self.sweeper.memory_model, self.gate.facts.lengths, self.budget)
         study = self.open_study()
         with self.store.lock():  # workers starting at once: one parent run, one copy of each enqueued trial
@@ -325,13 +327,8 @@ class SweepEngine:
 
     def classified(self) -> Any:
         """The study as the report reads it (src/study.py): every trial classified, the stable ones ranked."""
-        return load_sweep(
-            self.study_name,
-            Path(self.config.paths.sweeps_dir),
-            self.store.url,
-            float(self.sweeper.headroom_margin),
-            self.config.tracking.uri,
-        )
+        where = (Path(self.config.paths.sweeps_dir), self.store.url, float(self.sweeper.headroom_margin))
+        return load_sweep(self.study_name, *where, self.config.tracking.uri)
 
 
 def _params(custom: Any, config: DictConfig, trial: optuna.Trial, distributions: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from src import record, tracking
 from src.sweep.checks import SpaceFacts
 from src.sweep.memory import MemoryGate, predicted_attrs
 from src.sweep.rules import TOLD, LaunchRules, Skip, predicted_skip
-from src.sweep.space import SpaceError
+from src.sweep.space import SpaceError, outside_space
 
 # hydra.sweeper.max_skips_in_a_row's default: proposals skipped in a row (repeats, certain or predicted OOMs) after
 # which a sweep stops, as it can launch nothing new (every remaining setting a repeat or a certain OOM); skips cost
@@ -104,7 +104,7 @@ class Gate:
     def exhausted(
         self, study: optuna.Study, distributions: dict[str, BaseDistribution], custom: bool, occupied: int
     ) -> str | None:
-        """The line that ends the sweep when every setting of a finite space is told (measured, failed by itself,
+        """The line that ends the sweep when every setting of this finite space is told (measured, failed by itself,
         or skipped) and nothing is queued: a new proposal could only repeat one. None otherwise."""
         if custom or not self.sweeper.skip_duplicates or not distributions or not self.max_skips:
             return None  # a custom space's suggestions are its own; without skips, repeats are measured again
@@ -112,10 +112,14 @@ class Gate:
         if size is None or study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             return None
         names = set(distributions)
+        # Settings of this space only: a resumed study whose numeric range moved holds settings outside it, which
+        # counted toward the size and ended the sweep before the new settings were measured.
         told = {
             tuple(sorted((k, repr(v)) for k, v in t.params.items()))
             for t in study.get_trials(deepcopy=False, states=TOLD)
-            if set(t.params) == names and record.LEVER not in t.user_attrs
+            if set(t.params) == names
+            and record.LEVER not in t.user_attrs
+            and not outside_space(t.params, distributions)
         }
         if len(told) < size:
             return None

@@ -1,16 +1,25 @@
 """The search space: Optuna distributions from hydra-optuna-sweeper's grammar (choice, range, interval,
-tag(log, ...)), which command-line overrides are swept, whether a setting lies inside the space, and what a space
-may not hold (a credential).
+tag(log, ...)), which command-line overrides are swept, whether a setting lies inside the space, what a space
+may not hold (a credential), and whether a resumed study can be swept in it (Optuna cannot change a choice's values).
 """
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import OmegaConf
-from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+    check_distribution_compatibility,
+    json_to_distribution,
+)
 
 from src import redact
 from src.config import override_value
@@ -18,6 +27,8 @@ from src.config import override_value
 
 class SpaceError(ValueError):
     """A search space that cannot be swept; the message names the key (and never repeats a credential)."""
+
+    exit_code = 1  # the sweep command's exit status when it refuses one (hydra_plugins/qlora_optuna_sweeper)
 
 
 def distribution(override: Override) -> BaseDistribution | Any:
@@ -164,3 +175,80 @@ def _values(dist: BaseDistribution | Any) -> list[Any]:
     if isinstance(dist, CategoricalDistribution):
         return list(dist.choices)
     return [] if isinstance(dist, BaseDistribution) else [dist]  # a numeric range holds no text
+
+
+def refuse_changed(url: str, study_name: str, distributions: dict[str, BaseDistribution], sweeps_dir: Path) -> None:
+    """A resumed study is swept on in a space Optuna takes in its place (a numeric range moved or widened: the gate
+    counts the new space's settings), never in one it refuses: a choice whose values changed, a knob of another
+    kind or scale. Those are refused here, before the study is opened, with the new study's name to give: Optuna's
+    ask failed with a traceback at the first trial, leaving it and the sweep's parent run RUNNING."""
+    recorded, taken = recorded_space(url, study_name)
+    changed = {}  # key -> (the study's distribution, this command's)
+    for key, new in distributions.items():
+        for old in recorded.get(key, []):
+            try:
+                check_distribution_compatibility(old, new)
+            except ValueError:
+                changed[key] = (old, new)
+                break
+    if not changed:
+        return
+    fresh = next(
+        f"{study_name}-{k}"
+        for k in itertools.count(2)
+        if f"{study_name}-{k}" not in taken and not (sweeps_dir / f"{study_name}-{k}").exists()
+    )
+    there = " ".join(f"{key}={grammar(old)}" for key, (old, _) in changed.items())
+    here = " ".join(f"{key}={grammar(new)}" for key, (_, new) in changed.items())
+    raise SpaceError(
+        redact.redact_text(
+            f"study {study_name} was swept with {there}, this command sweeps {here}, and Optuna cannot change a "
+            f"choice's values or a knob's kind within a study: sweep this space as a new study with "
+            f"hydra.sweeper.study_name={fresh}, or give {there} to continue this one. Nothing was run or recorded"
+        )
+    )
+
+
+def recorded_space(url: str, study_name: str) -> tuple[dict[str, list[BaseDistribution]], set[str]]:
+    """Each knob's distributions the study `study_name` recorded in its storage, and the storage's study names;
+    nothing for a storage or study not made yet. Read with SQL on Optuna's tables (studies, trials, trial_params:
+    its schema since Optuna 2.0, checked against 5.1), not through RDBStorage, which writes its version rows into
+    the database it opens and would race the worker that creates the tables there; this writes nothing."""
+    import sqlalchemy
+
+    address = sqlalchemy.engine.make_url(url)
+    if address.get_backend_name() == "sqlite" and not (address.database and Path(address.database).exists()):
+        return {}, set()
+    engine = sqlalchemy.create_engine(address, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        if not sqlalchemy.inspect(engine).has_table("trial_params"):
+            return {}, set()
+        with engine.connect() as conn:
+            taken = {name for (name,) in conn.execute(sqlalchemy.text("SELECT study_name FROM studies"))}
+            rows = conn.execute(
+                sqlalchemy.text(
+                    "SELECT DISTINCT p.param_name, p.distribution_json FROM trial_params p "
+                    "JOIN trials t ON p.trial_id = t.trial_id JOIN studies s ON t.study_id = s.study_id "
+                    "WHERE s.study_name = :name"
+                ),
+                {"name": study_name},
+            ).all()
+    finally:
+        engine.dispose()
+    recorded: dict[str, list[BaseDistribution]] = {}
+    for key, text in rows:
+        recorded.setdefault(key, []).append(json_to_distribution(text))
+    return recorded, taken
+
+
+def grammar(dist: BaseDistribution) -> str:
+    """A distribution in the sweep's grammar (choice, range, interval, tag(log, ...)), as the user wrote it."""
+    if isinstance(dist, CategoricalDistribution):
+        return f"choice({','.join(map(str, dist.choices))})"
+    if isinstance(dist, IntDistribution | FloatDistribution):
+        if dist.log:
+            return f"tag(log,interval({dist.low:g},{dist.high:g}))"
+        if dist.step is not None and not (isinstance(dist, IntDistribution) and dist.step == 1):
+            return f"range({dist.low:g},{dist.high + dist.step:g},{dist.step:g})"
+        return f"interval({dist.low:g},{dist.high:g})"
+    return str(dist)
