@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -78,6 +80,18 @@ def figure(value: float) -> str:
     """A measured figure as every table and summary line shows it: thousands grouped ("10,983"), never in exponent
     form; smaller ones to four significant digits ("657.8", "0.263")."""
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def with_overrides(params: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Config key -> value: `params` with Hydra-style overrides on top (a lever's: `trainer.packing=true`)."""
+    found = dict(params)
+    for override in overrides:
+        key, _, text = override.partition("=")
+        try:
+            found[key.lstrip("+~")] = yaml.safe_load(text)
+        except yaml.YAMLError:
+            found[key.lstrip("+~")] = text
+    return found
 
 
 def label(key: str) -> str:

@@ -56,6 +56,19 @@ LEVER_PARAM = "lever"
 # study's queued recommendations) is RECOMMEND_PARAM; the study keeps what was chosen and why in RECOMMENDATION.
 RECOMMENDED = "sweep.recommended"
 RECOMMEND_PARAM = "recommendation"
+# A finalist checked against the reference (src/sweep/faster.py), a study user attr per trial ("sweep.same_model.7"):
+# {"passed", "max_loss_diff", "adapter_rel_diff", "tolerance", "reference": its trial number, "steps"}; a finalist
+# that failed it is never ranked or promoted
+SAME_MODEL = "sweep.same_model"
+# Study user attr: the optimizer step of the sweep's fixed config ({batch key: value, accumulation key: value}), for
+# trials whose params and levers do not set them
+STEP_DEFAULTS = "sweep.step_defaults"
+
+
+def same_model_key(number: int) -> str:
+    return f"{SAME_MODEL}.{number}"
+
+
 RECOMMENDATION = "sweep.recommendation"  # study user attr: {"why", "queued": [[overrides]], "closest", "note"}
 ROLE = "sweep.role"  # parent | soak
 RUN_KIND = "run.kind"  # sweep (the parent) | trial | skipped | soak

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from src.config import PROJECT_DIR, compose
+from src.redact import redact_text
 
 # fp32 compute on a CPU: the same rows summed in another order differ by rounding only; the adapter is trained in
 # bf16 on a 4-bit base (trl's cast), whose rounding is ~0.4% of a value
@@ -45,7 +46,7 @@ def rows_per_step(overrides: list[str]) -> int:
     return int(t.per_device_train_batch_size) * int(t.gradient_accumulation_steps)
 
 
-def train(overrides: list[str], steps: int, rows: int, folder: Path) -> Trace:
+def train(overrides: list[str], steps: int, rows: int, folder: Path, env: dict[str, str] | None = None) -> Trace:
     """A single run of `overrides` over the first steps x rows rows, for one epoch, checkpointed into `folder`."""
     argv = [
         *overrides,
@@ -59,10 +60,15 @@ def train(overrides: list[str], steps: int, rows: int, folder: Path) -> Trace:
         "lora.lora_dropout=0",
     ]
     done = subprocess.run(
-        [sys.executable, "-m", "src.train", *argv], cwd=PROJECT_DIR, capture_output=True, text=True, check=False
+        [sys.executable, "-m", "src.train", *argv],
+        cwd=PROJECT_DIR,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
     if done.returncode != 0:
-        raise RuntimeError(f"python -m src.train {' '.join(argv)} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"python -m src.train {' '.join(argv)} failed:\n{redact_text(done.stderr[-2000:])}")
     from safetensors.torch import load_file
 
     state = json.loads((folder / f"checkpoint-{steps}" / "trainer_state.json").read_text())
@@ -101,16 +107,23 @@ def compare(reference: Trace, candidate: Trace, tolerance: dict[str, float] | No
     }
 
 
-def check(reference: list[str], candidate: list[str], steps: int, common: list[str] | None = None) -> dict[str, Any]:
-    """Train both (unless the candidate changes the rows per optimizer step) and compare them."""
+def check(
+    reference: list[str],
+    candidate: list[str],
+    steps: int,
+    common: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Train both (unless the candidate changes the rows per optimizer step) and compare them; `env`: the device's
+    (a sweep's slot: CUDA_VISIBLE_DEVICES)."""
     common = common or []
     ref_rows, cand_rows = rows_per_step([*common, *reference]), rows_per_step([*common, *candidate])
     said = {"reference": reference, "candidate": candidate}
     if cand_rows != ref_rows:  # another optimisation by construction: nothing to train
         return {**compare(Trace(ref_rows), Trace(cand_rows)), **said}
     with tempfile.TemporaryDirectory(prefix="same-model-") as tmp:
-        ref = train([*common, *reference], steps, ref_rows, Path(tmp) / "reference")
-        cand = train([*common, *candidate], steps, cand_rows, Path(tmp) / "candidate")
+        ref = train([*common, *reference], steps, ref_rows, Path(tmp) / "reference", env)
+        cand = train([*common, *candidate], steps, cand_rows, Path(tmp) / "candidate", env)
     return {**compare(ref, cand), **said}
 
 

@@ -21,9 +21,12 @@ from src.config import compose
 from src.places import DEFAULT_MARGIN, find_study, store_exists
 from src.record import STALE_KIND, STALE_MESSAGE, failure_kind, retried_numbers
 
+# What one optimizer step trains on, per device: the micro-batch's rows and how many micro-batches are summed.
+STEP_KEYS = ("trainer.per_device_train_batch_size", "trainer.gradient_accumulation_steps")
+PACKING = "trainer.packing"
 CLASSES = ("stable", "marginal", "failed", "skipped", "pruned", "running")
 # What the engine records on the sweep's parent run as `sweep.<key>` tags (JSON values).
-_SETTINGS = ("objectives", "headroom_margin", "trial_overrides")
+_SETTINGS = ("objectives", "headroom_margin", "trial_overrides", "promote_different_optimisation")
 # Also a parent tag: the truncation policy the trials would have had outside the sweep (a sweep measures settings
 # that cut answers instead of refusing them; promotion still refuses them).
 _POLICY = "max_truncated_answer_frac"
@@ -55,6 +58,8 @@ class TrialRow:
     recommended: bool = False  # a recommendation trial (src/sweep/journey.py): levers combined with a length
     # The config keys and values it ran with, where they are not its params (a custom search space's labels)
     settings: dict[str, Any] | None = None
+    # The same-model check against the reference, where the sweep ran it (record.SAME_MODEL); {} where not
+    same_model: dict[str, Any] = field(default_factory=dict)
 
     def setting(self) -> dict[str, Any]:
         """Config key -> value as the trial ran (its params, or what a custom space's labels stood for)."""
@@ -144,6 +149,9 @@ class Sweep:
     # What the sweep searched for when the recipe was not stable within the policies (src/sweep/journey.py):
     # {"why", "queued": [[overrides]], "closest": {...} or None, "note"}; None when it did not search
     recommendation: dict[str, Any] | None = None
+    # hydra.sweeper.promote_different_optimisation: other rows per optimizer step than the recipe's are ranked too
+    different_optimisation: bool = False
+    step_defaults: dict[str, Any] = field(default_factory=dict)  # the sweep's fixed config's (record.STEP_DEFAULTS)
 
     def trial_dir(self, number: int) -> Path:
         return self.study_dir / "trials" / f"{number:03d}"
@@ -231,19 +239,49 @@ class Sweep:
         return (soaked or ranked or [None])[0]
 
     def best(self) -> TrialRow | None:
-        """The best stable trial by the first objective (ties: the earlier trial), among those that cut no more
-        answers than the truncation policy allows."""
-        ranked = self.ranked()
-        return ranked[0] if ranked else None
+        """The first of `ranked`."""
+        return next(iter(self.ranked()), None)
 
     def ranked(self) -> list[TrialRow]:
-        """The stable trials that cut no more answers than the policy allows, best first by the first objective
-        (ties: the earlier trial): the soak's finalists are the first of them."""
+        """stable_ranked's trials that train the recipe's model (its rows per optimizer step, or any with
+        `different_optimisation`; none the same-model check failed): the soak's finalists are the first of them."""
+        either = self.different_optimisation
+        return [
+            r for r in self.stable_ranked() if (either or self.same_optimisation(r)) and r.same_model.get("passed", 1)
+        ]
+
+    def stable_ranked(self) -> list[TrialRow]:
+        """Every stable trial within the truncation policy, best first by the first objective (ties: the earlier)."""
         objective, maximize = self.objectives[0], self.directions[0] == "maximize"
         stable = [
             r for r in self.rows if r.verdict == "stable" and objective in r.metrics and not self.cuts_too_much(r)
         ]
         return sorted(stable, key=lambda r: ((1 if maximize else -1) * r.metrics[objective], -r.number), reverse=True)
+
+    def trains_differently(self) -> list[TrialRow]:
+        """The stable trials that put other rows into an optimizer step than the recipe, best first."""
+        return [r for r in self.stable_ranked() if not self.same_optimisation(r)]
+
+    def rows_per_step(self, row: TrialRow) -> int | None:
+        """Rows per optimizer step per device: batch x accumulation as the trial set them (else the recipe, then the
+        sweep's fixed config), else as measured; None when packed (rows vary with what fits) or unknown."""
+        recipe = self.recipe_row()
+        setting = {**self.step_defaults, **(overridden(recipe) if recipe else {}), **overridden(row)}
+        batch, accumulation = (setting.get(k) for k in STEP_KEYS)
+        if setting.get(PACKING) is True:
+            return None
+        if isinstance(batch, int) and isinstance(accumulation, int):
+            return batch * accumulation
+        measured = row.metrics.get("rows_per_optimizer_step")
+        return int(measured) if measured else None
+
+    def same_optimisation(self, row: TrialRow) -> bool:
+        """Trains on the recipe's rows per optimizer step, unpacked (True where the sweep marked no recipe)."""
+        recipe = self.recipe_row()
+        if recipe is None or row is recipe:
+            return True
+        mine = self.rows_per_step(row)
+        return mine is not None and mine == self.rows_per_step(recipe)
 
 
 # ---- reading a study ---------------------------------------------------------------------------------------------
@@ -300,6 +338,8 @@ def load(
     trials = study.get_trials(deepcopy=False)
     retried = retried_numbers(trials)
     rows = [_row(t, margin, t.number in retried) for t in trials]
+    for row in rows:
+        row.same_model = study.user_attrs.get(record.same_model_key(row.number)) or {}
     budgets = [float(t.user_attrs["vram_budget_gib"]) for t in trials if t.user_attrs.get("vram_budget_gib")]
     return Sweep(
         name=name,
@@ -316,6 +356,8 @@ def load(
         max_truncated_answer_frac=None if settings.get(_POLICY) is None else float(settings[_POLICY]),
         soaks={int(k.split(".", 1)[1]): v for k, v in study.user_attrs.items() if record.is_soak_key(k, v)},
         recommendation=study.user_attrs.get(record.RECOMMENDATION),
+        different_optimisation=bool(settings.get("promote_different_optimisation")),
+        step_defaults=study.user_attrs.get(record.STEP_DEFAULTS) or {},
     )
 
 
@@ -348,6 +390,11 @@ def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:
         recommended=bool(a.get(record.RECOMMENDED)),
         settings=a.get(record.SETTINGS),
     )
+
+
+def overridden(row: TrialRow) -> dict[str, Any]:
+    """A trial's setting as it ran, config key -> value: its params, with its lever's overrides on top."""
+    return knobs.with_overrides(row.setting(), row.lever)
 
 
 def effective(params: dict[str, Any], lever: list[str]) -> tuple[dict[str, Any], list[str]]:

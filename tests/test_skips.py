@@ -153,7 +153,7 @@ def test_the_readmes_tab_completion_completes_python_m_src_train(root: Path, tmp
 
     from src.config import PROJECT_DIR
 
-    readme = (PROJECT_DIR / "README.md").read_text()
+    readme = (PROJECT_DIR / "docs" / "sweeps.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "_qlora_train_complete" in b)
     (tmp_path / "complete.sh").write_text(block)
     script = f"""

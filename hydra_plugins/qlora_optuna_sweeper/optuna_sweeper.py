@@ -60,6 +60,8 @@ class OptunaSweeperConf:
     soak_top_k: int = MISSING
     soak_minutes: float = MISSING
     recommend_trials: int = MISSING
+    same_model_steps: int = MISSING
+    promote_different_optimisation: bool = MISSING
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="optuna_schema", node=OptunaSweeperConf, provider="qlora")

@@ -56,22 +56,25 @@ class Candidate:
         return " + ".join(["recipe", *parts])
 
 
+ACCUMULATION = "trainer.gradient_accumulation_steps"
+
+
 def levers(config: DictConfig, recipe_params: dict[str, Any], cuda: bool = True) -> list[list[str]]:
-    """One override per registered lever that would change the recipe; knobs the sweep varies are left to the map,
-    and a CUDA allocator's lever to CUDA devices (`cuda`: the trials run on one)."""
+    """The overrides of each registered lever that would change the recipe; knobs the sweep varies are left to the
+    map, and a CUDA allocator's lever to CUDA devices (`cuda`: the trials run on one). Half the batch comes with
+    twice the accumulation: the same rows per optimizer step, in smaller micro-batches (the same optimisation)."""
     found = []
     for knob in knobs.levers():
         if knob.key in recipe_params or (knob.cuda_only and not cuda):
             continue
         current = OmegaConf.select(config, knob.key)
         if knob.lever == "half":
-            if not isinstance(current, int) or current < 2:
+            accumulation = recipe_params.get(ACCUMULATION, OmegaConf.select(config, ACCUMULATION))
+            if not isinstance(current, int) or current < 2 or current % 2 or not isinstance(accumulation, int):
                 continue
-            value = current // 2
-        else:
-            value = knob.lever
-        if value != current:
-            found.append([f"{knob.key}={override_value(value)}"])
+            found.append([f"{knob.key}={current // 2}", f"{ACCUMULATION}={accumulation * 2}"])
+        elif knob.lever != current:
+            found.append([f"{knob.key}={override_value(knob.lever)}"])
     return found
 
 
@@ -104,9 +107,13 @@ def lengths_to_try(lengths: list[int], cut: Callable[[int], float], policy: floa
 
 
 def combinations(levers: list[list[str]]) -> list[tuple[str, ...]]:
-    """Every combination of the levers (each a list of overrides), the fewest first; none first of all."""
-    flat = [o for lever in levers for o in lever]
-    return [c for size in range(len(flat) + 1) for c in itertools.combinations(flat, size)]
+    """Every combination of the levers (each a list of overrides, taken whole), the fewest first; none first of all;
+    each combination as its overrides."""
+    return [
+        tuple(o for lever in combo for o in lever)
+        for size in range(len(levers) + 1)
+        for combo in itertools.combinations(levers, size)
+    ]
 
 
 def fits_with_margin(prediction: Prediction, budget: float, margin: float) -> bool:

@@ -19,7 +19,7 @@ def recommendation(sweep: Sweep, recipe: TrialRow | None) -> str:
     cut = sweep.cut_answers(row) or 0.0
     return (
         f"Recommended: trial {row.number} ({words(sweep, row, recipe)}): {_figures(sweep, row)}{_against(row, recipe)}"
-        f"; {_soak(soak)}; it keeps {1 - cut:.1%} of answers whole. Train it: `{promote}`, then "
+        f"{same_model_words(row)}; {_soak(soak)}; it keeps {1 - cut:.1%} of answers whole. Train it: `{promote}`, then "
         "`python -m src.train experiment=production`."
     )
 
@@ -67,6 +67,19 @@ def _against(row: TrialRow, recipe: TrialRow | None) -> str:
     if new and old and not 0.8 <= new / old <= 1.25:  # batches of one setting differ a little; a step size 2x
         said += f"; a different optimisation: {new:,.0f} tokens per optimizer step instead of {old:,.0f}"
     return said
+
+
+def same_model_words(row: TrialRow) -> str:
+    """The same-model check's verdict on the setting (src/sweep/faster.py), where the sweep made it."""
+    check = row.same_model
+    if not check.get("passed") or "max_loss_diff" not in check:
+        return ""
+    tol = check["tolerance"]
+    return (
+        f"; it trains the same model as trial {check['reference']} (checked over {check['steps']} optimizer steps on "
+        f"the same rows: losses within {check['max_loss_diff']:.1e} of its, tolerance {tol['max_loss_diff']:g}; "
+        f"adapter within {check['adapter_rel_diff']:.2%}, tolerance {tol['adapter_rel_diff']:.0%})"
+    )
 
 
 def _soak(soak: dict) -> str:

@@ -148,12 +148,58 @@ def markdown(
     out = [
         *_opening(sweep),
         *(["## What to change", "", *(f"- {line}" for line in advice), ""] if advice else []),
+        *differently(sweep),
         *_pictures(sweep, axes, memory_metric),
         *_importances(imps),
         *_trials(sweep),
         *_classes(sweep),
     ]
     return redact.redact_text("\n".join(out))
+
+
+def differently(sweep: Sweep) -> list[str]:
+    """ "Faster, but trains differently": the stable settings that put other rows into an optimizer step than the
+    recipe (another optimisation, not the same model faster), apart, with what the change of step would ask."""
+    recipe = sweep.recipe_row()
+    rows = sweep.trains_differently()
+    if recipe is None or not rows:
+        return []
+    theirs = sweep.rows_per_step(recipe)
+    speed = recipe.metrics.get("tokens_per_s") if recipe.verdict in ("stable", "marginal") else None
+    opted = sweep.different_optimisation
+    out = [
+        "## Faster, but trains differently",
+        "",
+        f"These settings put other rows into each optimizer step than your recipe ({theirs} per device): another "
+        "optimisation, not your model trained faster. With k times the rows per step an epoch takes k times fewer "
+        "optimizer steps, and the learning rate and schedule need retuning (common starting points: the learning "
+        "rate times √k, square-root scaling, to times k, linear scaling; the warm-up in steps divided by k). "
+        + (
+            "This sweep ranks and promotes them like the others (hydra.sweeper.promote_different_optimisation=true)."
+            if opted
+            else "They are not promoted; `hydra.sweeper.promote_different_optimisation=true` on the sweep's command "
+            "ranks, soaks and promotes them too."
+        ),
+        "",
+    ]
+    table = []
+    for row in rows[:10]:
+        mine = sweep.rows_per_step(row)
+        k = mine / theirs if mine and theirs else None
+        table.append(
+            [
+                str(row.number),
+                ", ".join(f"{label(key)} {fmt(value)}" for key, value in row.setting().items() if key in sweep.knobs)
+                + (f" + {row.change()}" if row.lever else ""),
+                _figure(row, "tokens_per_s", "{:,.0f}"),
+                f"{row.metrics['tokens_per_s'] / speed:.2f}×" if speed and row.metrics.get("tokens_per_s") else "",
+                "packed" if mine is None else str(mine),
+                _figure(row, "tokens_per_optimizer_step", "{:,.0f}"),
+                "" if k is None else (f"{k:.3g}× fewer" if k >= 1 else f"{1 / k:.3g}× more"),
+            ]
+        )
+    headers = ["trial", "setting", "tokens/s", "vs recipe", "rows / step", "tokens / step", "optimizer steps"]
+    return [*out, _md_table(headers, table), ""]
 
 
 def _opening(sweep: Sweep) -> list[str]:

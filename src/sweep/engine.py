@@ -47,7 +47,7 @@ from src.failures import first_line
 from src.record import DEAD_WORKER
 from src.redact import redact_text
 from src.study import load as load_sweep
-from src.sweep import journey, prepare, recipe, seeds, soak
+from src.sweep import faster, journey, prepare, recipe, seeds, soak
 from src.sweep.checks import check_space
 from src.sweep.gate import Gate
 from src.sweep.launch import launch
@@ -178,6 +178,7 @@ class SweepEngine:
                 print(self.tally.complete(self.sweeper.n_trials, self.report_command(), self.store.fresh_name()))
                 return  # its parent run and its settings stay as the sweep that ran it left them
             self.open_parent(study)
+            faster.record_step(study, self.config)  # what one optimizer step trains on, where trials do not say
             self.recover(study)
             seeds.enqueue(study, self.store, self.sweeper, self.distributions, self.gate.memory, self.fixed)
         try:  # from here on, however the sweep ends, its parent run is closed
@@ -192,8 +193,9 @@ class SweepEngine:
             self.run_workers(study, slots)  # the map, and the recipe's levers
             if not stopping.is_set() and self.search(study):  # then the settings the search chose
                 self.run_workers(study, slots)
-            if not stopping.is_set():  # then the soak of the finalists
+            if not stopping.is_set():  # then the finalists that train the same model as the reference, soaked
                 self.tally.close_bar()
+                faster.check_finalists(study, self.store, self.classified, self.sweeper, self.fixed, slots[0].env)
                 args = (self.sweeper, slots, self.fixed, self.runs, self.budget, self.ledger)
                 soak.finalists(study, self.store, self.classified, *args)
         finally:
@@ -322,6 +324,8 @@ class SweepEngine:
             return False
         sweep = self.classified()
         if int(sweeper.recommend_trials) > 0 and journey.left(study, sweep):
+            return True
+        if int(sweeper.same_model_steps) > 0 and faster.to_check(sweep, int(sweeper.soak_top_k))[1]:
             return True
         return int(sweeper.soak_top_k) > 0 and bool(soak.pending(study, sweep, int(sweeper.soak_top_k)))
 

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 import optuna
-import yaml
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from src import record
 from src.config import override_value
 from src.failures import MEMORY
 from src.fit import recommend
+from src.knobs import with_overrides
 from src.study import Sweep, TrialRow
 from src.sweep import recipe as recipe_levers
 
@@ -127,14 +127,7 @@ def as_trial(
 
 def setting(params: dict[str, Any], lever: list[str]) -> dict[str, Any]:
     """A trial's effective setting: its params, with its lever's overrides on top (config key -> value)."""
-    found = dict(params)
-    for override in lever:
-        key, _, text = override.partition("=")
-        try:
-            found[key.lstrip("+~")] = yaml.safe_load(text)
-        except yaml.YAMLError:
-            found[key.lstrip("+~")] = text
-    return found
+    return with_overrides(params, lever)
 
 
 def left(study: optuna.Study, sweep: Sweep) -> bool:

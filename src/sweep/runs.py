@@ -179,6 +179,7 @@ def parent_tags(
         "sweep.objectives": json.dumps(dict(zip(objectives, directions, strict=True))),
         "sweep.headroom_margin": json.dumps(float(sweeper.headroom_margin)),
         "sweep.trial_overrides": json.dumps([str(o) for o in sweeper.trial_overrides]),
+        "sweep.promote_different_optimisation": json.dumps(bool(sweeper.promote_different_optimisation)),
         "sweep.storage": storage_url,
         "sweep.n_trials": sweeper.n_trials,
         "vram_budget_gib": budget,

@@ -38,6 +38,7 @@ def check_values(sweeper: DictConfig) -> None:
         "soak_top_k": (lambda v: v >= 0, "at least 0 (0: no soak)"),
         "soak_minutes": (lambda v: v >= 0, "minutes, at least 0"),
         "recommend_trials": (lambda v: v >= 0, "at least 0 (0: the sweep does not search for a setting)"),
+        "same_model_steps": (lambda v: v >= 0, "optimizer steps, at least 0 (0: no same-model check)"),
     }
     for key, (ok, what) in ranges.items():
         value = sweeper.get(key)

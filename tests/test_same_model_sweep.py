@@ -1,0 +1,123 @@
+"""The best setting, not only a stable one (issue 46, its CPU part): settings that put other rows into an optimizer
+step than the recipe are another optimisation, shown apart and ranked only when the user opts in; the half-batch
+lever keeps the rows per step; before the soak the sweep checks that each finalist trains the same model as the
+reference (src/sweep/faster.py), and one that does not is never ranked, soaked or promoted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState
+
+from src import report
+from src.report.text import differently
+from src.study import Sweep
+
+BATCH, ACC = "trainer.per_device_train_batch_size", "trainer.gradient_accumulation_steps"
+SPACE = {BATCH: CategoricalDistribution([1, 2, 4, 8]), ACC: CategoricalDistribution([1, 2])}
+
+
+def _study(storage: str, trials: list[tuple[int, int, float, list[str]]]) -> None:
+    """(batch, accumulation, tokens/s, lever overrides) per trial; the first is the recipe."""
+    study = optuna.create_study(study_name="speed", storage=storage, direction="maximize")
+    for n, (batch, acc, speed, lever) in enumerate(trials):
+        attrs: dict[str, Any] = {
+            "trial.status": "ok",
+            "vram_budget_gib": 24.0,
+            "peak_vram_reserved_gib": 8.0,
+            "vram_headroom_frac": 1 - 8.0 / 24,
+            "tokens_per_s": speed,
+            "truncated_answer_frac": 0.0,
+            "tokens_per_optimizer_step": 150.0 * batch * acc,
+        }
+        if n == 0:
+            attrs["sweep.recipe"] = True
+        if lever:
+            attrs |= {"sweep.lever": json.dumps(lever), "sweep.lever_of": 0}
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={BATCH: batch, ACC: acc},
+                distributions=SPACE,
+                value=speed,
+                state=TrialState.COMPLETE,
+                user_attrs=attrs,
+            )
+        )
+
+
+def _load(tmp_path: Path) -> Sweep:
+    return report.load("speed", tmp_path / "sweeps", storage=f"sqlite:///{tmp_path}/speed.db")
+
+
+def test_settings_with_other_rows_per_step_are_shown_apart_and_ranked_only_when_asked(tmp_path: Path) -> None:
+    _study(
+        f"sqlite:///{tmp_path}/speed.db",
+        [(1, 2, 1000.0, []), (2, 1, 1500.0, []), (8, 2, 6000.0, []), (1, 1, 800.0, []), (4, 1, 2800.0, [])],
+    )
+    sweep = _load(tmp_path)
+    assert [r.number for r in sweep.ranked()] == [1, 0], "the same 2 rows per optimizer step as the recipe"
+    assert sweep.best().number == 1 and sweep.recommended().number == 1
+    assert [r.number for r in sweep.trains_differently()] == [2, 4, 3]
+    section = "\n".join(differently(sweep))
+    assert "## Faster, but trains differently" in section and "promote_different_optimisation=true" in section
+    assert "| 2 | batch 8, grad_acc 2 | 6,000 | 6.00× | 16 | 2,400 | 8× fewer |" in section, section
+    assert "| 3 | batch 1, grad_acc 1 | 800 | 0.80× | 1 | 150 | 2× more |" in section, section
+    sweep.different_optimisation = True  # hydra.sweeper.promote_different_optimisation=true
+    assert [r.number for r in sweep.ranked()] == [2, 4, 1, 0, 3]
+
+
+def test_a_lever_that_keeps_the_rows_per_step_is_the_same_optimisation(tmp_path: Path) -> None:
+    """The half-batch lever comes with twice the accumulation (src/fit/recommend.py levers); a recipe's fixed batch
+    and accumulation (not among the params) are read from the sweep's config (record.STEP_DEFAULTS)."""
+    from src.config import compose
+    from src.fit.recommend import levers
+
+    cfg = compose([f"{BATCH}=16", f"{ACC}=1"])
+    assert [f"{BATCH}=8", f"{ACC}=2"] in levers(cfg, {})
+    assert [f"{BATCH}=8", f"{ACC}=4"] in levers(cfg, {ACC: 2}), "a swept accumulation: the recipe's value, doubled"
+    _study(f"sqlite:///{tmp_path}/speed.db", [(1, 2, 1000.0, []), (1, 2, 1200.0, [f"{BATCH}=2", f"{ACC}=1"])])
+    sweep = _load(tmp_path)
+    assert sweep.same_optimisation(sweep.rows[1]) and sweep.rows_per_step(sweep.rows[1]) == 2
+
+
+class _Store:
+    """The engine's store, as far as the check asks: its lock, and no other worker running."""
+
+    def lock(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def others_running(self, study: optuna.Study) -> bool:
+        return False
+
+
+@pytest.mark.slow(seconds=60)
+def test_the_sweep_checks_its_finalists_against_the_reference_and_drops_one_that_trains_another_model(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fastest finalist changes the learning rate (the same rows per step, another model): the check trains it
+    and the reference from the same adapter on the same rows, finds them apart and drops it; the next, batch 2 x
+    accumulation 1 against the recipe's 1 x 2, trains the same model and is the one ranked first."""
+    from src.sweep import faster
+
+    storage = f"sqlite:///{tmp_path}/speed.db"
+    _study(storage, [(1, 2, 1000.0, []), (2, 1, 1500.0, []), (1, 2, 2000.0, ["trainer.learning_rate=0.01"])])
+    study = optuna.load_study(study_name="speed", storage=storage)
+    sweeper = OmegaConf.create({"same_model_steps": 2, "soak_top_k": 1})
+    checked = faster.check_finalists(study, _Store(), lambda: _load(tmp_path), sweeper, ["trainer.bf16=false"], {})
+    assert [(c["trial"], c["passed"], c["reference"]) for c in checked] == [(2, False, 0), (1, True, 0)], checked
+    assert checked[1]["max_loss_diff"] <= 1e-4 and checked[1]["adapter_rel_diff"] <= 0.02
+    assert checked[0]["adapter_rel_diff"] > 0.02
+    sweep = _load(tmp_path)
+    assert [r.number for r in sweep.ranked()] == [1, 0], "the one that trains another model is never ranked"
+    assert sweep.rows[1].same_model["passed"] and not sweep.rows[2].same_model["passed"]
+    out = capsys.readouterr().out
+    assert "same model: trial 2 failed" in out and "same model: trial 1 passed" in out
+    assert faster.check_finalists(study, _Store(), lambda: _load(tmp_path), sweeper, [], {}) == [], "checked once"
