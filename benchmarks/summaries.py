@@ -19,6 +19,7 @@ from typing import Any
 
 from src.config import PROJECT_DIR
 
+JOURNEY = ("peak_vram_reserved_gib", "tokens_per_s", "truncated_answer_frac")  # what the journey's rows keep
 FIELDS = ("peak_vram_reserved_gib", "peak_vram_allocated_gib", "peak_vram_device_gib", "vram_headroom_frac",
           "tokens_per_s", "mfu_standard", "model_tflops_per_s", "step_time_s", "startup_s", "first_step_s",
           "cuda_context_gib", "oom_request_gib", "truncated_answer_frac", "predicted_peak_vram_reserved_gib")  # fmt: skip
@@ -175,7 +176,7 @@ def journey(record: dict, run: Any) -> dict:
             "trial": best.number,
             "overrides": [f"{k}={v}" for k, v in best.params.items()] + best.lever,
             "recommendation_trial": best.recommended,
-            **{k: best.metrics.get(k) for k in FIELDS[:5]},
+            **{k: best.metrics.get(k) for k in JOURNEY},
         },  # fmt: skip
         "soak": {
             k: soak.get(k) for k in ("status", "steps", "minutes", "peak_vram_reserved_gib", "peak_vs_map", "detail")
@@ -190,7 +191,7 @@ def journey(record: dict, run: Any) -> dict:
             "seconds": production.get("wall_s"),
             "status": result.get("status"),
             "failure": result.get("failure"),
-            **{k: (result.get("metrics") or {}).get(k) for k in FIELDS[:5]},
+            **{k: (result.get("metrics") or {}).get(k) for k in JOURNEY},
         },  # fmt: skip
         "trials": [
             {
@@ -200,7 +201,7 @@ def journey(record: dict, run: Any) -> dict:
                 "params": r.params,
                 "lever": r.lever,
                 "recommended": r.recommended,
-                **{k: r.metrics.get(k) for k in FIELDS[:5]},
+                **{k: r.metrics.get(k) for k in JOURNEY},
             }
             for r in sweep.rows
         ],  # fmt: skip

@@ -1,11 +1,14 @@
 """The memory model's judgements are made on settings it never saw: each committed fresh random set
 (benchmarks/results/memory_model_random_fresh*_design.json, drawn by the retired memory_random_h200.py; the third is
 measured by `python -m benchmarks run memory_model_fresh3`) repeats no setting of the sets drawn before it, under
-either allocator, and spans the space."""
+either allocator, and spans the space; the harness's judge reproduces the committed judgement."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from src.config import PROJECT_DIR
 
@@ -40,3 +43,25 @@ def test_each_fresh_set_repeats_no_setting_drawn_before_it_and_spans_the_space()
         assert lengths[0] <= 512 and lengths[-1] >= 3500 and any(n % 256 for n in lengths), name
     assert {s[EXPANDABLE] for s in json.loads((RESULTS / ORDER[1]).read_text())["held_out"]} == {False, True}
     assert {s[EXPANDABLE] for s in json.loads((RESULTS / ORDER[3]).read_text())["held_out"]} == {True}
+
+
+@pytest.mark.slow(seconds=45)
+def test_the_harness_s_judge_reproduces_the_committed_judgement_of_the_second_fresh_set() -> None:
+    """`memory_judge` (what `run memory_model_fresh3` summarizes with) fed the second fresh set's committed rows and
+    fitted as memory_model_random_mixed.json was: the same figures, to the last digit."""
+    from benchmarks import harness, summaries
+
+    raw = json.loads((RESULTS / "memory_model_random_raw_fresh2_h100.json").read_text())
+    record = {"rows": [{**r, "name": f"{r['role']}{r['index']}"} for r in raw["rows"]], "versions": raw["versions"],
+              "gpu": raw["gpu"]}  # fmt: skip
+    suite = harness.load("memory_model_fresh3")
+    fitted = [
+        f"benchmarks/results/memory_model_random_raw{t}.json" for t in ("_h200", "_expandable_h200", "_fresh_h100")
+    ]
+    variables = {**{k: str(v) for k, v in suite["vars"].items()}, "form": "sum", "fitted_on": " ".join(fitted)}
+    run = harness.Run("memory_model_fresh3", suite, variables, Path("/r"), Path("/o/m_h100.json"), record)
+    got = summaries.memory_judge(record, run)
+    committed = json.loads((RESULTS / "memory_model_random_mixed.json").read_text())["summary"]
+    for key in ("calibration_points", "held_out", "mean_abs_error_pct", "max_abs_error_pct", "max_under_prediction_pct",
+                "model_own_error_pct", "held_out_beyond_stated_error", "predicted_fit_but_oom", "held_out_oom"):  # fmt: skip
+        assert got[key] == pytest.approx(committed[key]), key
