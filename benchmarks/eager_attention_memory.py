@@ -110,6 +110,10 @@ def softmax_alone(batch: int, length: int, device: str) -> dict[str, float]:
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m benchmarks.eager_attention_memory", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = LENGTHS if device == "cuda" else (64, 96)
     attn, rope = block(device)

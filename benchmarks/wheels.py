@@ -82,9 +82,12 @@ def report(folder: Path, limit_mib: float) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["slim"]:
-        slim(Path(sys.argv[2]))
-    elif sys.argv[1:2] == ["report"]:
-        report(Path(sys.argv[2]), float(sys.argv[3]))
-    else:
-        sys.exit(__doc__)
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.wheels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("what", choices=["slim", "report"])
+    p.add_argument("folder", type=Path)
+    p.add_argument("limit_mib", type=float, nargs="?", default=40.0, help="report: the folder's limit (default 40)")
+    args = p.parse_args()
+    slim(args.folder) if args.what == "slim" else report(args.folder, args.limit_mib)
