@@ -209,11 +209,11 @@ def journey(record: dict, run: Any) -> dict:
 
 
 def production_file(run: Any) -> None:
-    """conf/experiment/production.yaml as the journey's promotion wrote it, where the run trains it and the checkout
-    has none."""
+    """conf/experiment/production.yaml as the journey's promotion wrote it (`${journey}`'s production_file), where a
+    command trains it and the checkout has none."""
     target = PROJECT_DIR / "conf" / "experiment" / "production.yaml"
-    if "experiment=production" in run.fill(run.vars["setting"]) and not target.exists():
-        source = PROJECT_DIR / run.fill(run.vars["journey"])
+    if any("experiment=production" in run.fill(v) for v in run.vars.values()) and not target.exists():
+        source = PROJECT_DIR / run.fill(run.vars.get("journey", "benchmarks/results/journey_h100.json"))
         target.write_text(json.loads(source.read_text())["production_file"])
 
 
