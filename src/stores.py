@@ -52,6 +52,9 @@ class Store:
     # where `scan`: once by a sweep, the report, the promotion; a trial reads the header and the schema only.
     fix: str = ""
     scan: bool = False
+    # An empty SQLite file is a store its client makes anew (MLflow's always; a sweep's Optuna storage until trials
+    # ran: another worker may be making it this moment), not one cut to nothing
+    new_if_empty: bool = False
     # MLflow's: the Optuna storage (None: every study under paths.sweeps_dir) and study (None: any) whose runs it
     # holds, when they named a parent run: its SQLite file missing is then a store lost, not one to make; and what
     # to do then.
@@ -90,7 +93,9 @@ def of_sweep(cfg: DictConfig, study_dir: Path) -> list[Store]:
     found = [
         replace(mlflow, scan=True, fix=f"{_restore(mlflow)}, or move it aside and {new}", runs_of=lost),
         *rest,
-        replace(storage, scan=True, fix=f"{_restore(storage)}, or {new}"),
+        replace(
+            storage, scan=True, fix=f"{_restore(storage)}, or {new}", new_if_empty=not (study_dir / "trials").exists()
+        ),
     ]
     return found if raw is None else [*found, Store("paths.sweeps_dir", "the study's folder", str(study_dir))]
 
@@ -148,8 +153,9 @@ def _problem(store: Store) -> str | None:
         why = _unreachable_http(url) if scheme.startswith("http") else _unreachable_database(url)
         return why and f"at {shown} cannot be reached ({why}); nothing was recorded: start it or correct {store.key}"
     path = sqlite_file(url) if scheme == "sqlite" else None
-    # an empty MLflow file is a store MLflow makes anew (`_lost` tells whether one was lost); an empty Optuna one is not
-    if path is not None and (why := sqlite_damage(path, store.scan, empty=store.what != MLFLOW_STORE)):
+    # an empty MLflow file is made anew (`_lost` tells whether a study's runs were lost with it)
+    empty = not (store.new_if_empty or store.what == MLFLOW_STORE)
+    if path is not None and (why := sqlite_damage(path, store.scan, empty=empty)):
         return f"{shown} is damaged: {why}; nothing was read or recorded: {store.fix or _restore(store)}"
     if not store.write:
         return None

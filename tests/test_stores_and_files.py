@@ -69,7 +69,7 @@ def _sweep_on_a_disk_that_fills(argv: list[str]) -> None:
     fake_sweep.engine(argv).run()
 
 
-@pytest.mark.slow(seconds=12)
+@pytest.mark.slow(seconds=20)
 def test_a_disk_that_fills_up_during_a_sweep_ends_it_with_one_line_and_the_resume_leaves_nothing_running(
     tmp_path: Path, empty_store: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -157,7 +157,14 @@ def test_the_report_replaces_a_link_planted_in_place_of_its_files_and_never_writ
 
 # ---- finding 17: a damaged or missing store ------------------------------------------------------------------------
 
-DAMAGES = ("optuna.db truncated", "optuna.db corrupt", "mlflow.db missing", "mlflow.db truncated", "mlflow.db corrupt")
+DAMAGES = (
+    "optuna.db truncated",
+    "optuna.db emptied",
+    "optuna.db corrupt",
+    "mlflow.db missing",
+    "mlflow.db truncated",
+    "mlflow.db corrupt",
+)
 
 
 def _damage(root: Path, damage: str) -> Path:
@@ -168,6 +175,8 @@ def _damage(root: Path, damage: str) -> Path:
         path.unlink()
     elif how == "truncated":  # a copy cut short, a disk that filled while it was written
         os.truncate(path, path.stat().st_size // 2)
+    elif how == "emptied":  # cut to nothing: SQLite would take it for a new database, Optuna for a new study
+        os.truncate(path, 0)
     else:  # pages past the first overwritten: the header reads, the tables do not
         with path.open("r+b") as f:
             f.seek(4096)
@@ -243,3 +252,18 @@ def test_the_resume_command_says_one_line_for_a_damaged_or_missing_store(kept: P
     line = _one_line(done.stderr)
     assert line.startswith("error: ") and str(path) in line and "restore" in line, line
     assert not (kept / "sweeps" / STUDY / "trials" / "002").exists(), "no trial ran"
+
+
+def test_an_empty_optuna_db_of_a_study_without_trials_is_one_being_made_not_a_damaged_one(root: Path) -> None:
+    """A worker joining a new study while another one makes its optuna.db (0 bytes for that moment) is not refused;
+    a study that ran trials is never in that state."""
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["hydra/sweeper=optuna", "hydra.sweeper.study_name=new"])
+    study_dir = root / "sweeps" / "new"
+    study_dir.mkdir(parents=True)
+    (study_dir / "optuna.db").touch()
+    stores.check(stores.of_sweep(cfg, study_dir))
+    (study_dir / "trials").mkdir()
+    with pytest.raises(stores.StoreError, match="optuna.db is damaged: it is empty"):
+        stores.check(stores.of_sweep(cfg, study_dir))
