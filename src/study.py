@@ -262,26 +262,30 @@ class Sweep:
         """The stable trials that put other rows into an optimizer step than the recipe, best first."""
         return [r for r in self.stable_ranked() if not self.same_optimisation(r)]
 
-    def rows_per_step(self, row: TrialRow) -> int | None:
-        """Rows per optimizer step per device: batch x accumulation as the trial set them (else the recipe, then the
-        sweep's fixed config), else as measured; None when packed (rows vary with what fits) or unknown."""
+    def step(self, row: TrialRow) -> tuple[Any, Any] | None:
+        """(batch, accumulation) of one optimizer step as the trial set them (else the recipe, then the sweep's fixed
+        config; None where nothing says); None when packed: a packed micro-batch holds as many rows as fit."""
         recipe = self.recipe_row()
         setting = {**self.step_defaults, **(overridden(recipe) if recipe else {}), **overridden(row)}
-        batch, accumulation = (setting.get(k) for k in STEP_KEYS)
-        if setting.get(PACKING) is True:
-            return None
-        if isinstance(batch, int) and isinstance(accumulation, int):
-            return batch * accumulation
+        return None if setting.get(PACKING) is True else (setting.get(STEP_KEYS[0]), setting.get(STEP_KEYS[1]))
+
+    def rows_per_step(self, row: TrialRow) -> int | None:
+        """Rows per optimizer step per device: batch x accumulation, else as measured; None when packed or unknown."""
+        step = self.step(row)
+        if step is not None and all(isinstance(v, int) for v in step):
+            return step[0] * step[1]
         measured = row.metrics.get("rows_per_optimizer_step")
-        return int(measured) if measured else None
+        return int(measured) if measured and step is not None else None
 
     def same_optimisation(self, row: TrialRow) -> bool:
         """Trains on the recipe's rows per optimizer step, unpacked (True where the sweep marked no recipe)."""
         recipe = self.recipe_row()
         if recipe is None or row is recipe:
             return True
-        mine = self.rows_per_step(row)
-        return mine is not None and mine == self.rows_per_step(recipe)
+        mine, theirs = self.step(row), self.step(recipe)
+        if mine is None or theirs is None:
+            return False
+        return mine == theirs or (self.rows_per_step(row) or -1) == self.rows_per_step(recipe)
 
 
 # ---- reading a study ---------------------------------------------------------------------------------------------

@@ -204,8 +204,8 @@ def test_a_fix_that_changes_tokens_per_optimizer_step_is_called_a_different_opti
     assert said[0].startswith("Your recipe (trial 0: ") and "is marginal (headroom 6% < 10%): 22.50 GiB" in said[0]
     assert said[1] == (
         "Trial 1 (gradient_accumulation_steps 4 instead of 2) makes it stable: 20.00 GiB peak reserved of the 24 GiB "
-        "budget (headroom 17%), 1,456 tokens/s, 1.04× your recipe's speed; a different optimisation: 4,096 tokens "
-        "per optimizer step instead of 2,048."
+        "budget (headroom 17%), 1,456 tokens/s (read on a card shared by up to 2 trials), 1.04× your recipe's speed; "
+        "a different optimisation: 4,096 tokens per optimizer step instead of 2,048."
     )
     assert said[2].startswith("The fastest stable setting measured is trial 1 (")
     assert "a different optimisation" in said[2]

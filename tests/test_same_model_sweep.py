@@ -121,3 +121,20 @@ def test_the_sweep_checks_its_finalists_against_the_reference_and_drops_one_that
     out = capsys.readouterr().out
     assert "same model: trial 2 failed" in out and "same model: trial 1 passed" in out
     assert faster.check_finalists(study, _Store(), lambda: _load(tmp_path), sweeper, [], {}) == [], "checked once"
+
+
+def test_every_speed_in_the_words_says_how_it_was_read(tmp_path: Path) -> None:
+    """Issue 46: each tokens/s the report quotes says whether it was read alone on its card or on a shared one."""
+    from src.report.advice import what_to_change
+    from src.report.text import read_how
+
+    _study(f"sqlite:///{tmp_path}/speed.db", [(1, 2, 1000.0, []), (2, 1, 1500.0, [])])
+    sweep = _load(tmp_path)
+    sweep.rows[0].slot, sweep.rows[1].slot = "cuda0#0", "cuda0#1"
+    assert read_how(sweep, sweep.rows[1]) == " (read on a card shared by up to 2 trials)"
+    said = " ".join(what_to_change(sweep))
+    assert "1,500 tokens/s (read on a card shared by up to 2 trials)" in said, said
+    sweep.rows[1].slot = "cuda1"
+    assert read_how(sweep, sweep.rows[1]) == " (read alone on its card)"
+    sweep.rows[1].slot = "cpu0"
+    assert read_how(sweep, sweep.rows[1]) == " (read on a CPU)"

@@ -14,7 +14,7 @@ from typing import Any
 
 from src.failures import MEMORY
 from src.report.recommendation import recommendation
-from src.report.text import fmt, share
+from src.report.text import fmt, read_how, share
 from src.study import Sweep, TrialRow, short_override
 
 # Knobs that change what one optimizer step trains on (examples per step, rows per example): a setting that moves
@@ -241,7 +241,9 @@ def _fastest(sweep: Sweep, recipe: TrialRow | None) -> list[str]:
     faster = [r for r in stable if sweep.cuts_too_much(r) and (not allowed or _speed(r) > max(map(_speed, allowed)))]
     if faster:
         r = max(faster, key=_speed)
-        out.append(f"Trial {r.number} ({_setting(sweep, r)}) is faster at {_speed(r):,.0f} tokens/s{_cut(sweep, r)}.")
+        out.append(
+            f"Trial {r.number} ({_setting(sweep, r)}) is faster at {_speed(r):,.0f} tokens/s{read_how(sweep, r)}{_cut(sweep, r)}."
+        )
     return out
 
 
@@ -261,7 +263,7 @@ def _figures(sweep: Sweep, row: TrialRow) -> str:
     elif m.get("peak_rss_gib"):
         parts.append(f"{m['peak_rss_gib']:.2f} GiB peak host memory (no GPU)")
     if _speed(row) > 0:
-        parts.append(f"{_speed(row):,.0f} tokens/s")
+        parts.append(f"{_speed(row):,.0f} tokens/s{read_how(sweep, row)}")
     return ", ".join(parts) or "no figures recorded"
 
 

@@ -6,6 +6,7 @@ measured setting satisfies every policy, it names the policy no setting met and 
 
 from __future__ import annotations
 
+from src.report.text import read_how
 from src.study import Sweep, TrialRow, short_override
 
 
@@ -50,7 +51,7 @@ def _figures(sweep: Sweep, row: TrialRow) -> str:
             + (f" of the {budget:g} GiB budget" if budget else "")
         )
     if m.get("tokens_per_s"):
-        parts.append(f"{m['tokens_per_s']:,.0f} tokens/s")
+        parts.append(f"{m['tokens_per_s']:,.0f} tokens/s{read_how(sweep, row)}")
     return ", ".join(parts) or "no figures recorded"
 
 

@@ -28,6 +28,19 @@ _FIGURES = (
 _OPTIONAL = (("tokens_per_optimizer_step", "tokens/opt step", "{:,.0f}"),)
 
 
+def read_how(sweep: Sweep, row: TrialRow) -> str:
+    """How a trial's speed was read, as words after it: " (read alone on its card)", " (read on a card shared by up
+    to 4 trials)", " (read on a CPU)"; "" where the trial's slot is not known."""
+    slot = row.slot or ""
+    if not slot:
+        return ""
+    if slot.startswith("cpu"):
+        return " (read on a CPU)"
+    if "#" in slot:
+        return f" (read on a card shared by up to {sweep.card_shared_by()} trials)"
+    return " (read alone on its card)"
+
+
 def share(frac: float) -> str:
     """A share as the report words it: "4%", "0.4%", "12.5%"; never "0%" for a share that is not 0."""
     if 0 < frac < 0.0005:
