@@ -430,12 +430,14 @@ def test_a_trial_that_hangs_before_its_first_step_is_killed_at_the_stall_timeout
     hang.write_text("#!/bin/sh\n" + (progress if wrote else "") + "\nexec sleep 120\n")
     hang.chmod(0o755)
     monkeypatch.setattr(process.sys, "executable", str(hang))
-    sweeper = OmegaConf.create({"trial_timeout_s": 100, "stall_timeout_s": 2, "heartbeat_interval_s": 10})
+    sweeper = OmegaConf.create(
+        {"trial_timeout_s": 100, "stall_timeout_s": 60, "startup_timeout_s": 2, "heartbeat_interval_s": 10}
+    )
     started = time.monotonic()
     outcome = process.run_process(["model=tiny_llama"], log_dir, {}, sweeper)
     assert time.monotonic() - started < 30, "killed at the stall timeout, not at trial_timeout_s"
     assert outcome.failure["kind"] == "timeout" and outcome.failure["step"] is None
-    assert "2s without progress in start-up, hydra.sweeper.stall_timeout_s" in outcome.failure["message"]
+    assert "2s without progress in start-up, hydra.sweeper.startup_timeout_s" in outcome.failure["message"]
 
 
 @pytest.mark.slow(seconds=3)

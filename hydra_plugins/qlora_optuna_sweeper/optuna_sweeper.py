@@ -46,6 +46,7 @@ class OptunaSweeperConf:
     cpu_slots: int = MISSING
     trial_timeout_s: float = MISSING
     stall_timeout_s: float = MISSING
+    startup_timeout_s: float = MISSING
     launch_blocking_rerun: bool = MISSING
     retry_failed_trials: bool = MISSING
     heartbeat_interval_s: int = MISSING
@@ -60,6 +61,7 @@ class OptunaSweeperConf:
     soak_top_k: int = MISSING
     soak_minutes: float = MISSING
     recommend_trials: int = MISSING
+    speed_trials: int = MISSING
     same_model_steps: int = MISSING
     promote_different_optimisation: bool = MISSING
 

@@ -77,17 +77,20 @@ def run_process(
                     heartbeat()
                     last_beat = now
                 progress = read_json(log_dir / PROGRESS_FILE)
-                # No step for stall_timeout_s; before the first, nothing since the launch or since the model
-                # began loading (a trial hung while loading holds its slot no longer than one hung mid-training).
-                stalled = now - max(started, progress.get("time", 0.0)) > sweeper.stall_timeout_s
+                # No step for stall_timeout_s; before the first, nothing for startup_timeout_s since the launch or
+                # since the model began loading (a trial hung in start-up holds its slot no longer than that).
+                training = progress.get("phase") == "training"
+                key = "stall_timeout_s" if training else "startup_timeout_s"
+                limit = float(sweeper.get(key) or sweeper.stall_timeout_s)
+                stalled = now - max(started, progress.get("time", 0.0)) > limit
                 if stopping.is_set():
                     interrupted = True
                     stop_process_group(proc)
                 elif now - started > sweeper.trial_timeout_s or stalled:
                     timed_out = True
-                    where = "without a step" if progress.get("phase") == "training" else "without progress in start-up"
+                    where = "without a step" if training else "without progress in start-up"
                     why = (
-                        f"{sweeper.stall_timeout_s:g}s {where}, hydra.sweeper.stall_timeout_s"
+                        f"{limit:g}s {where}, hydra.sweeper.{key}"
                         if stalled
                         else (f"hydra.sweeper.trial_timeout_s={sweeper.trial_timeout_s:g}")
                     )

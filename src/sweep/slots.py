@@ -33,11 +33,13 @@ def check_values(sweeper: DictConfig) -> None:
     ranges = {  # key: (allowed, what it must be)
         "trial_timeout_s": (lambda v: v > 0, "seconds, more than 0"),
         "stall_timeout_s": (lambda v: v > 0, "seconds, more than 0"),
+        "startup_timeout_s": (lambda v: v > 0, "seconds, more than 0"),
         "heartbeat_interval_s": (lambda v: v >= 1, "seconds, at least 1"),
         "headroom_margin": (lambda v: 0 <= v <= 1, "a share of the budget, from 0 to 1, e.g. 0.10"),
         "soak_top_k": (lambda v: v >= 0, "at least 0 (0: no soak)"),
         "soak_minutes": (lambda v: v >= 0, "minutes, at least 0"),
         "recommend_trials": (lambda v: v >= 0, "at least 0 (0: the sweep does not search for a setting)"),
+        "speed_trials": (lambda v: v >= 0, "at least 0 (0: no search for the same model faster)"),
         "same_model_steps": (lambda v: v >= 0, "optimizer steps, at least 0 (0: no same-model check)"),
     }
     for key, (ok, what) in ranges.items():
