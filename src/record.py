@@ -63,6 +63,9 @@ SAME_MODEL = "sweep.same_model"
 # Study user attr: the optimizer step of the sweep's fixed config ({batch key: value, accumulation key: value}), for
 # trials whose params and levers do not set them
 STEP_DEFAULTS = "sweep.step_defaults"
+# A trial the second stage queued (src/sweep/faster.py: the reference with same-model levers), True; the study keeps
+# what it queued and against which reference under the same name
+FASTER = "sweep.faster"
 
 
 def same_model_key(number: int) -> str:

@@ -138,3 +138,30 @@ def test_every_speed_in_the_words_says_how_it_was_read(tmp_path: Path) -> None:
     assert read_how(sweep, sweep.rows[1]) == " (read alone on its card)"
     sweep.rows[1].slot = "cpu0"
     assert read_how(sweep, sweep.rows[1]) == " (read on a CPU)"
+
+
+def test_on_a_gpu_the_second_stage_queues_the_reference_with_the_levers_that_keep_the_model(tmp_path: Path) -> None:
+    """Issue 46's second stage: on the reference (the recipe, stable), every same-model lever together first (the
+    fastest guess), then each alone; the same rows in fewer micro-batches is a setting the map already measured
+    (trial 1: batch 2 x accumulation 1), so it is not queued again; queued once per study, beyond n_trials."""
+    from src.config import compose
+    from src.sweep import faster
+    from src.sweep.memory import MemoryGate
+
+    storage = f"sqlite:///{tmp_path}/speed.db"
+    _study(storage, [(1, 2, 1000.0, []), (2, 1, 1500.0, []), (8, 2, 6000.0, [])])
+    study = optuna.load_study(study_name="speed", storage=storage)
+    config = compose(["hydra/sweeper=optuna", "model=llama3_8b_synthetic"], hydra_config=True)
+    memory = MemoryGate(config, "predict", None, 24.0)
+    args = (config, memory, ["model=llama3_8b_synthetic"], SPACE, 24.0)
+    queued = faster.search(study, _load(tmp_path), *args, cuda=True)
+    every = ["model.attn_implementation='sdpa'", "trainer.torch_compile='layers'", "model.upcast_non_quantized=false"]
+    assert queued == [every, every[:1], every[1:2]], queued
+    waiting = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.WAITING]
+    assert [json.loads(t.user_attrs["sweep.lever"]) for t in waiting] == queued
+    fixed = [t.system_attrs["fixed_params"] for t in waiting]  # what Optuna will ask them with
+    assert fixed == [{BATCH: 2, ACC: 1}, {BATCH: 1, ACC: 2}, {BATCH: 1, ACC: 2}], "a knob of the space: in the map"
+    assert all(t.user_attrs["sweep.lever_of"] == 0 and t.user_attrs["sweep.faster"] for t in waiting)
+    assert study.user_attrs["sweep.faster"] == {"reference": 0, "queued": queued}
+    assert faster.search(study, _load(tmp_path), *args, cuda=True) == [], "once per study"
+    assert "trainer.recompute=no_down" not in str(queued), "the recompute variant only where the reference checkpoints"

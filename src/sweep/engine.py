@@ -191,8 +191,9 @@ class SweepEngine:
             self.tally.refresh(study)
             self.tally.start_bar(self.sweeper)
             self.run_workers(study, slots)  # the map, and the recipe's levers
-            if not stopping.is_set() and self.search(study):  # then the settings the search chose
-                self.run_workers(study, slots)
+            for stage in (journey.search_once, faster.search_once):  # the search, then the same model faster
+                if not stopping.is_set() and self.search(study, stage):
+                    self.run_workers(study, slots)
             if not stopping.is_set():  # then the finalists that train the same model as the reference, soaked
                 self.tally.close_bar()
                 faster.check_finalists(study, self.store, self.classified, self.sweeper, self.fixed, slots[0].env)
@@ -309,10 +310,10 @@ class SweepEngine:
 
     # -- after the map --
 
-    def search(self, study: optuna.Study) -> bool:
-        """The recipe not stable within the policies: settings the memory model chooses queued (src/sweep/journey.py)."""
+    def search(self, study: optuna.Study, stage: Any) -> bool:
+        """Settings a stage chooses, queued (src/sweep/journey.py: the recipe unstable; faster.py: same model)."""
         args = (self.config, self.gate.memory, self.gate.facts, self.fixed, self.distributions, self.budget)
-        if not journey.search_once(study, self.store, self.classified, *args):
+        if not stage(study, self.store, self.classified, *args):
             return False
         self.tally.start_bar(self.sweeper)
         return True

@@ -13,6 +13,7 @@ ranked only with `hydra.sweeper.promote_different_optimisation=true`.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,10 +24,125 @@ from omegaconf import OmegaConf
 
 from src import record, same_model
 from src.config import override_value
+from src.fit import recommend
+from src.fit.recommend import fits_with_margin
+from src.knobs import with_overrides
 from src.redact import redact_text
-from src.study import PACKING, STEP_KEYS, Sweep, TrialRow
+from src.study import PACKING, STEP_KEYS, Sweep, TrialRow, overridden
+from src.sweep.slots import devices
 
 log = logging.getLogger(__name__)
+
+
+# The levers that keep what is trained (the same rows per optimizer step, in the same order, the same loss and
+# schedule) and may spend the card better: (key, the value that may be faster, only on a CUDA device, only where
+# the reference checkpoints). bf16 non-quantized weights change the numerics slightly: allowed, and the report says
+# so through the same-model check's figures.
+SPEED_LEVERS = (
+    ("model.attn_implementation", "sdpa", False, False),  # fused attention kernels instead of eager's L x L scores
+    ("trainer.recompute", "no_down", False, True),  # the checkpoint's recompute skips the frozen down_proj product
+    ("trainer.torch_compile", "layers", True, False),  # each decoder layer compiled (norms, RoPE, SwiGLU, LoRA fused)
+    ("model.upcast_non_quantized", False, False, False),  # bf16 embeddings, norms and lm_head: fewer casts
+)
+
+
+def speed_levers(setting: dict[str, Any], cuda: bool) -> list[list[str]]:
+    """The reference's same-model levers (SPEED_LEVERS), then the same rows in fewer, larger micro-batches (batch x 2,
+    accumulation / 2: no padding added where group_by_length groups rows of a length), each a list of overrides."""
+    found = []
+    for key, value, cuda_only, with_checkpointing in SPEED_LEVERS:
+        if (cuda_only and not cuda) or (with_checkpointing and not setting.get("trainer.gradient_checkpointing")):
+            continue
+        if setting.get(key) not in (value, None) or key not in setting:
+            found.append([f"{key}={override_value(value)}"])
+    batch, accumulation = (setting.get(k) for k in STEP_KEYS)
+    if isinstance(batch, int) and isinstance(accumulation, int) and accumulation % 2 == 0:
+        found.append([f"{STEP_KEYS[0]}={batch * 2}", f"{STEP_KEYS[1]}={accumulation // 2}"])
+    return found
+
+
+def search_once(
+    study: optuna.Study,
+    store: Any,
+    classified: Callable[[], Sweep],
+    config: Any,
+    memory: Any,
+    facts: Any,
+    fixed: list[str],
+    distributions: dict[str, Any],
+    budget: float,
+) -> list[list[str]]:
+    """The last worker out makes the second stage's search (under the study's lock), as journey.search_once; only
+    where the trials run on a GPU: the levers spend a card better, and a CPU has none to spend."""
+    if not devices(OmegaConf.select(config, "hydra.sweeper")):
+        return []
+    with store.lock():
+        if store.others_running(study):
+            return []
+        return search(study, classified(), config, memory, fixed, distributions, budget, cuda=True)
+
+
+def search(
+    study: optuna.Study,
+    sweep: Sweep,
+    config: Any,
+    memory: Any,
+    fixed: list[str],
+    distributions: dict[str, Any],
+    budget: float,
+    cuda: bool,
+) -> list[list[str]]:
+    """The second stage, once per study: on the reference, the combinations of its same-model levers the memory
+    model predicts to fit with the margin (all of them where it does not describe the device), the most levers first
+    (the fastest guess), then each alone; `hydra.sweeper.speed_trials` of those not measured yet are queued as trials
+    of the reference (beyond n_trials, as the recipe's levers are). What was queued (each trial's lever overrides)."""
+    k = int(config.hydra.sweeper.speed_trials)
+    ref = reference(sweep)
+    if k <= 0 or ref is None or record.FASTER in study.user_attrs or memory is None:
+        return []
+    levers = speed_levers({**_composed(config), **sweep.step_defaults, **overridden(ref)}, cuda)
+    combos = [c for c in recommend.combinations(levers) if c]  # the fewest levers first
+    seen = {json.dumps(sorted(overridden(r).items()), default=str) for r in sweep.rows}
+    queued: list[list[str]] = []
+    for combo in combos[-1:] + combos[:-1]:  # every lever (the fastest guess), then one, two...
+        if len(queued) >= k:
+            break
+        trial_params, lever = _as_trial(ref, list(combo), distributions)
+        effective = {**ref.setting(), **trial_params, **with_overrides({}, lever)}
+        if json.dumps(sorted(effective.items()), default=str) in seen:
+            continue
+        prediction = memory.predict([*fixed, *overrides(ref), *combo])
+        if memory.describes_device() and (prediction is None or not fits_with_margin(prediction, budget, sweep.margin)):
+            continue
+        study.enqueue_trial(
+            trial_params, user_attrs={record.LEVER: json.dumps(lever), record.LEVER_OF: ref.number, record.FASTER: True}
+        )
+        queued.append(lever)
+    study.set_user_attr(record.FASTER, {"reference": ref.number, "queued": queued})
+    if queued:
+        print(f"faster: measuring {len(queued)} setting(s) that train trial {ref.number}'s model, beyond n_trials")
+    return queued
+
+
+def _composed(config: Any) -> dict[str, Any]:
+    """The lever keys' values in the sweep's config (a trial's params and levers set theirs on top)."""
+    keys = [key for key, *_ in SPEED_LEVERS] + ["trainer.gradient_checkpointing"]
+    return {key: OmegaConf.select(config, key) for key in keys}
+
+
+def _as_trial(ref: TrialRow, combo: list[str], distributions: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(params, lever overrides): a value of a knob the space holds goes into the params (the map then places it),
+    the rest on top of the reference's own levers."""
+    params, lever = dict(ref.params), list(ref.lever)
+    for override in combo:
+        key, _, text = override.partition("=")
+        value = with_overrides({}, [override])[key]
+        dist = distributions.get(key)
+        if key in params and getattr(dist, "choices", None) is not None and value in dist.choices:
+            params[key] = value
+        else:
+            lever.append(override)
+    return params, lever
 
 
 def record_step(study: optuna.Study, config: Any) -> None:

@@ -266,7 +266,7 @@ class StudyStore:
 
 
 # What a queued trial was queued as, kept by its retry
-_QUEUED_AS = (record.RECIPE, record.LEVER, record.LEVER_OF, record.RECOMMENDED)
+_QUEUED_AS = (record.RECIPE, record.LEVER, record.LEVER_OF, record.RECOMMENDED, record.FASTER)
 
 
 def _grid(distributions: dict[str, BaseDistribution]) -> dict[str, list[Any]]:
