@@ -106,3 +106,30 @@ def driver() -> dict[str, Any]:
         }
     except Exception:
         return {}
+
+
+# Dense bf16 tensor-core peak, TFLOP/s (no sparsity; fp32 accumulate where the vendor quotes both), from each card's
+# NVIDIA datasheet or architecture whitepaper: the denominator of the standard MFU. Longest names first, so
+# "H100 PCIe" is not read as an H100 SXM.
+BF16_DENSE_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),  # SXM5 (NVIDIA H100 80GB HBM3)
+    ("H200", 989.4),
+    ("A100", 312.0),
+    ("L40S", 362.05),
+    ("L4", 121.0),
+    ("RTX 6000 Ada", 364.2),
+    ("RTX 4090", 165.2),
+    ("RTX A6000", 154.8),
+    ("RTX 3090", 71.0),
+    ("A10", 125.0),
+)
+
+
+def bf16_peak_tflops(name: str) -> float | None:
+    """The card's spec dense bf16 peak by its CUDA name ("NVIDIA H100 80GB HBM3" -> 989.4); None when unknown."""
+    for key, peak in BF16_DENSE_TFLOPS:
+        if key in name:
+            return peak
+    return None

@@ -165,3 +165,12 @@ def test_on_a_gpu_the_second_stage_queues_the_reference_with_the_levers_that_kee
     assert study.user_attrs["sweep.faster"] == {"reference": 0, "queued": queued}
     assert faster.search(study, _load(tmp_path), *args, cuda=True) == [], "once per study"
     assert "trainer.recompute=no_down" not in str(queued), "the recompute variant only where the reference checkpoints"
+
+
+def test_the_standard_mfu_divides_by_the_cards_spec_dense_bf16_peak() -> None:
+    from src.gpus import bf16_peak_tflops
+
+    assert bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4 and bf16_peak_tflops("NVIDIA H200") == 989.4
+    assert bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0 and bf16_peak_tflops("NVIDIA L40S") == 362.05
+    assert bf16_peak_tflops("NVIDIA GeForce RTX 4090") == 165.2 and bf16_peak_tflops("NVIDIA A100-SXM4-80GB") == 312
+    assert bf16_peak_tflops("none (cpu)") is None

@@ -23,10 +23,14 @@ class FlopCounter:
         self.layers = int(config.num_hidden_layers)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.attn_width = int(config.num_attention_heads * head_dim)
-        self.params = sum(
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "in_features")]
+        self.params = sum(int(m.in_features) * int(m.out_features) for m in linears)
+        # LoRA's A and B (the weights training updates): the standard MFU counts 6 FLOPs a token for each, 4 for a
+        # frozen one (no weight gradient)
+        self.trainable = sum(
             int(m.in_features) * int(m.out_features)
-            for m in model.modules()
-            if hasattr(m, "in_features") and hasattr(m, "out_features") and isinstance(m, torch.nn.Linear)
+            for m in linears
+            if getattr(m, "weight", None) is not None and m.weight.requires_grad
         )
         self.pending: list[Any] = []
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
