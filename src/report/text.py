@@ -25,7 +25,11 @@ _FIGURES = (
     ("step_time_s", "step s", "{:.3f}"),
 )
 # Shown only where some trial recorded them (studies from before the engine measured them have none).
-_OPTIONAL = (("tokens_per_optimizer_step", "tokens/opt step", "{:,.0f}"),)
+_OPTIONAL = (
+    ("tokens_per_optimizer_step", "tokens/opt step", "{:,.0f}"),
+    # (4 x frozen + 6 x trainable weights) a token + causal attention over the card's spec dense bf16 peak: GPU only
+    ("mfu_standard", "MFU", "{:.1%}"),
+)
 
 
 def read_how(sweep: Sweep, row: TrialRow) -> str:
