@@ -78,6 +78,8 @@ class Measurements(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is not None:
             self.flops = FlopCounter(model)
+        if self.host is not None:  # the CPU card holds the model's tensors now, and the optimizer's on a resume
+            self.host.begin_training(model, kwargs.get("optimizer"))
         self._sync()
         # The per-trial fixed cost: the trial's launch (imports included) to the first step.
         self.startup_s = time.time() - trial_started()
@@ -106,7 +108,9 @@ class Measurements(TrainerCallback):
             record["vram_reserved_gib"] = torch.cuda.memory_reserved() / GIB
             record["vram_allocated_gib"] = torch.cuda.memory_allocated() / GIB
         elif self.host is not None:
-            record["vram_reserved_gib"] = self.host.sample()
+            # the step's peak as the trial's is judged (not what the process maps now, which grows with every
+            # micro-step seen): the soak's chart draws this series against the budget
+            record["vram_reserved_gib"] = self.host.step_peak()
         self.steps.append(record)
         self._last_t, self._last_tokens = now, tokens
         self.write_progress("training", state.epoch)
@@ -145,7 +149,7 @@ class Measurements(TrainerCallback):
             stats = torch.cuda.memory_stats()
             m["alloc_retries"] = float(stats.get("num_alloc_retries", 0))
             m["alloc_ooms"] = float(stats.get("num_ooms", 0))
-            device = self.nvml.stop() if self.nvml else None
+            device = self.nvml.stop(oom=bool(stats.get("num_ooms", 0))) if self.nvml else None
             if device is not None:
                 m["peak_vram_device_gib"] = device
         elif self.host is not None:

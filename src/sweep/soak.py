@@ -270,12 +270,12 @@ def judge(
     if peak and m.get("peak_vram_allocated_gib"):  # reserved but never allocated at the peak: fragmentation
         record["fragmentation_frac"] = 1 - m["peak_vram_allocated_gib"] / peak
     if allocated:  # at step ends (activations freed): what the allocator keeps cached between steps
-        record["vram_allocated_gib"] = allocated[:: max(1, len(allocated) // 400)]
+        record["vram_allocated_gib"] = _thinned(allocated)
     if len(seconds) >= 8:
         q = len(seconds) // 4
         first, last = statistics.median(seconds[1 : q + 1]), statistics.median(seconds[-q:])
         record["step_time_drift"] = last / first - 1
-    record["vram_reserved_gib"] = reserved[:: max(1, len(reserved) // 400)]  # for the picture, at most ~400 points
+    record["vram_reserved_gib"] = _thinned(reserved)  # for the picture
     if outcome.failure:
         kind = outcome.failure["kind"]
         step = outcome.failure.get("step")
@@ -288,6 +288,13 @@ def judge(
             detail += f", peak {peak:.2f} GiB (headroom {1 - peak / budget:.0%})"
         record.update(status="passed", detail=detail)
     return record
+
+
+def _thinned(series: list[float], points: int = 400) -> list[float]:
+    """At most `points` points of a long series, each the largest of its stretch: the step that peaked stays in the
+    picture, whose largest point is then the peak the soak was judged on."""
+    size = max(1, -(-len(series) // points))  # ceil: a stretch of at least one point
+    return [max(series[i : i + size]) for i in range(0, len(series), size)]
 
 
 def _series(client: Any, run_id: str, key: str) -> list[float]:
