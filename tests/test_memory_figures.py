@@ -85,7 +85,8 @@ def test_a_cpu_trials_step_series_is_on_the_basis_of_its_peak(root: Path, mlflow
     """The series `vram_reserved_gib` (the soak's chart) is each step's peak as the verdict counts it: its largest
     value is the trial's peak, and the soak's record of the run (src/sweep/soak.py judge) draws what it judged.
     Before: the process's memory beyond start-up (0.18-0.36 GiB against a 0.13 peak)."""
-    outcome = run_trial_here(root, [*DEMO, "trainer.max_steps=4", "trainer.gradient_accumulation_steps=2"])
+    recipe = ["trainer.per_device_train_batch_size=1", "trainer.gradient_accumulation_steps=2"]  # the demo's soak
+    outcome = run_trial_here(root, [*DEMO, *recipe, "trainer.max_steps=4"])
     assert outcome["status"] == "ok", outcome
     peak = outcome["metrics"]["peak_vram_reserved_gib"]
     series = [m.value for m in mlflow_client.get_metric_history(outcome["run_id"], "vram_reserved_gib")]
@@ -94,6 +95,30 @@ def test_a_cpu_trials_step_series_is_on_the_basis_of_its_peak(root: Path, mlflow
     finalist = SimpleNamespace(number=0, metrics={"peak_vram_reserved_gib": peak})
     record = soak.judge(SimpleNamespace(**outcome), finalist, mlflow_client, outcome["run_id"], 0.32, 0.25, 1)
     assert record["status"] == "passed" and max(record["vram_reserved_gib"]) == record["peak_vram_reserved_gib"]
+
+
+@CPU_BUDGET
+def test_the_peak_is_trainings_not_the_start_ups_data_nor_what_follows_training() -> None:
+    """The start-up reads the data (a soak every row of it) and the trainer saves after its last step: neither is
+    memory a card holds, and neither is in the step series the soak is drawn from."""
+    meas = SimpleNamespace(host=None)
+    with memory.budget(1.0, meas):
+        host = meas.host
+        data = torch.ones(int(0.03 * GIB) // 4)  # the start-up's: the rows read, 30 MiB
+        host.begin_training(torch.nn.Linear(4, 4))
+        steps = []
+        for _ in range(2):
+            host.sample()  # a micro-step begins
+            activations = torch.ones(int(0.01 * GIB) // 4)
+            del activations
+            steps.append(host.step_peak())
+        assert 0.009 < max(steps) < 0.012, steps
+        # before: 0.03 GiB, the demo's soak's 0.029 against 0.018 at most in its steps
+        assert host.peak_gib() == max(steps), "the start-up's data is not the card's"
+        host.end_training()
+        saved = torch.ones(int(0.02 * GIB) // 4)  # the adapter's save
+        del saved, data
+    assert host.peak_gib() == max(steps), "what follows training is not a step's"
 
 
 class _History:

@@ -155,6 +155,7 @@ class HostMemory(threading.Thread):
         self._held_at_training: int | None = None  # what the trial held when training began (`begin_training`)
         self._added = 0  # the most one micro-step added to what the process held at its start
         self._step = 0  # the same since the last `step_peak` (VmData held, where the mark cannot be reset)
+        self._counting = True  # False once training ended (`end_training`)
         self.interval_s = interval_s
         self.peak = 0
         self._halt = threading.Event()
@@ -184,19 +185,21 @@ class HostMemory(threading.Thread):
     def sample(self) -> float:
         """GiB held beyond the start-up now; the peak follows. Called at each micro-step's start and end (by the
         trial's Measurements), it also closes a window of the peak: the first window is the start-up's (the model's
-        load), each later one a micro-step's (the last of a step with the optimizer's step). The peak is then the
-        larger of the start-up's and what the trial held when training began plus the most any one micro-step
-        added to what it held at its own start: the live memory of the largest micro-step. What a micro-step keeps
-        after it ends (a kernel's cache for a sequence length not seen before) is counted in that micro-step, not
-        again in each later one, so more micro-steps do not read as more memory."""
+        load), each later one a micro-step's (the last of a step with the optimizer's step). Until training begins
+        the peak is the start-up's (all the process took: a load past the budget is measured); from then on it is
+        what the trial held when training began plus the most any one micro-step added to what it held at its own
+        start: the live memory of the largest micro-step. What a micro-step keeps after it ends (a kernel's cache
+        for a sequence length not seen before) is counted in that micro-step, not again in each later one, so more
+        micro-steps do not read as more memory. Once training ended (`end_training`) nothing more counts."""
         held = (_data_bytes() or self.baseline) - self.baseline
         if self.rss_baseline is None:
-            self.peak, self._step = max(self.peak, held), max(self._step, held)
+            if self._counting:
+                self.peak, self._step = max(self.peak, held), max(self._step, held)
             return held / GIB
         mark = _anon_high_water_mark() or self.rss_baseline
         if self._window_start is None:  # the start-up's window: all it held
             self.peak = max(self.peak, mark - self.rss_baseline)
-        else:
+        elif self._counting:
             added = mark - self._window_start
             self._added, self._step = max(self._added, added), max(self._step, added)
             self.peak = max(self.peak, self.held_at_training() + self._added)
@@ -212,15 +215,24 @@ class HostMemory(threading.Thread):
         """Training begins: the start-up's window closes, and what the trial holds now is what a card would hold,
         the tensors of `holders` (the model's parameters and buffers; the optimizer's state, a resumed run's).
         The rest of what the process took since the budget was set (the data, the tokenizer, the trainer's
-        objects) lives beside a card, not on it, and grows with the rows a probe reads, which accumulation
-        multiplies: batch 8 held 3.9 MiB more at accumulation 2 than at 1, 6% of its peak."""
+        objects) lives beside a card, not on it, and grows with the rows a probe reads (accumulation multiplies
+        them: batch 8 held 3.9 MiB more at accumulation 2 than at 1, 6% of its peak; a soak reads every row, and
+        its start-up's peak was 49% above its probe's where no step's was). So the start-up's peak stops counting:
+        the trial's peak is its training's, the largest of its steps' (`step_peak`)."""
         self._held_at_training = tensor_bytes(*holders)
         self.sample()
+        self.peak = self._held_at_training if self.rss_baseline is not None else 0
+
+    def end_training(self) -> None:
+        """Training ended: what the trainer does after its last step (saving, tearing down) is not a step's
+        memory. Not called when training fails: the failure's micro-step counts, closed at the release."""
+        self.sample()
+        self._counting = False
 
     def step_peak(self) -> float:
         """GiB: the peak of the micro-steps since the last call (an optimizer step's, called at its end), on the
         trial's peak's basis: what the trial held when training began plus the most one of them added. The step
-        series a soak is drawn from; the trial's peak is the largest of these and the start-up's."""
+        series a soak is drawn from: the trial's peak is the largest of these."""
         self.sample()
         step, self._step = self._step, 0
         return (step if self.rss_baseline is None else self.held_at_training() + step) / GIB

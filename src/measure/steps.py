@@ -96,6 +96,10 @@ class Measurements(TrainerCallback):
         if self.host is not None:
             self.host.sample()
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.host is not None:  # the CPU card's peak is training's: saving the adapter after it is not a step
+            self.host.end_training()
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._sync()
         now = time.perf_counter()
