@@ -15,6 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from src.failures import NanLossError
+from src.gpus import bf16_peak_tflops
 from src.handoff import trial_started
 from src.measure.flops import FlopCounter
 from src.measure.memory import GIB, HostMemory, NvmlSampler
@@ -178,11 +179,21 @@ class Measurements(TrainerCallback):
             m["samples_per_s"] = examples / seconds
             # Non-padding tokens each optimizer step trained on: batch, accumulation and packing all change it.
             m["tokens_per_optimizer_step"] = sum(s["tokens"] for s in measured) / len(measured)
+            # Examples each optimizer step trained on, all ranks: the same for two settings of one optimisation
+            m["rows_per_optimizer_step"] = examples / len(measured)
             m["measured_steps"] = float(len(measured))
             if all("flops" in s for s in measured):
                 # Useful model FLOP/s (FlopCounter); MFU is this over the card's measured bf16 matmul rate.
                 m["model_tflops_per_s"] = sum(s["flops"] for s in measured) / seconds / 1e12
                 m["model_params_matmul"] = float(self.flops.params)
+                # The standard definition: (4 x frozen + 6 x trainable weights) a token + causal attention, over
+                # the card's spec dense bf16 peak (src/gpus.py); beside the one above, which others do not use
+                tokens = sum(s["tokens"] for s in measured) / self.world_size  # this card's: its FLOPs are
+                standard = sum(s["flops"] for s in measured) + 2 * self.flops.trainable * tokens
+                m["model_tflops_per_s_standard"] = standard / seconds / 1e12
+                peak = bf16_peak_tflops(torch.cuda.get_device_name()) if self.cuda else None
+                if peak:
+                    m["mfu_standard"] = m["model_tflops_per_s_standard"] / peak
         if self.steps:
             m["first_step_s"] = self.steps[0]["time_s"]
         if self.losses:
