@@ -253,6 +253,7 @@ def test_device_map_across_gpus_with_data_parallel_is_refused(root: Path, monkey
         ("lora.r=0", "lora.r=0: must be at least 1"),
         ("data.max_seq_length=0", "data.max_seq_length=0: must be at least 1"),
         ("hardware.vram_budget_gib=0", "hardware.vram_budget_gib=0"),
+        ("trainer.learning_rate=-1", "trainer.learning_rate=-1.0: must be more than 0, e.g. 2e-5"),
     ],
 )
 def test_sizes_that_cannot_train_are_refused_by_name(override: str, expected: str, root: Path) -> None:

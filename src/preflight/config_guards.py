@@ -48,6 +48,12 @@ def _check_sizes(cfg: DictConfig, report: Report) -> None:
     ):
         if value < 1:
             report.add("positive", "error", f"{key}={value}: must be at least 1")
+    if not cfg.trainer.learning_rate > 0:  # trl fails it only after the model is loaded, as a ValueError
+        report.add(
+            "learning_rate",
+            "error",
+            f"trainer.learning_rate={cfg.trainer.learning_rate}: must be more than 0, e.g. 2e-5",
+        )
     if not cfg.hardware.vram_budget_gib > 0:
         report.add(
             "vram_budget",
