@@ -113,16 +113,23 @@ def check(
     steps: int,
     common: list[str] | None = None,
     env: dict[str, str] | None = None,
+    traces: dict[str, Trace] | None = None,
 ) -> dict[str, Any]:
     """Train both (unless the candidate changes the rows per optimizer step) and compare them; `env`: the device's
-    (a sweep's slot: CUDA_VISIBLE_DEVICES)."""
+    (a sweep's slot: CUDA_VISIBLE_DEVICES); `traces`: the reference's trace kept across checks of one reference
+    (a sweep checks several finalists against it: it is trained once)."""
     common = common or []
     ref_rows, cand_rows = rows_per_step([*common, *reference]), rows_per_step([*common, *candidate])
     said = {"reference": reference, "candidate": candidate}
     if cand_rows != ref_rows:  # another optimisation by construction: nothing to train
         return {**compare(Trace(ref_rows), Trace(cand_rows)), **said}
     with tempfile.TemporaryDirectory(prefix="same-model-") as tmp:
-        ref = train([*common, *reference], steps, ref_rows, Path(tmp) / "reference", env)
+        key = json.dumps([*common, *reference, steps])
+        if traces is None or key not in traces:
+            ref = train([*common, *reference], steps, ref_rows, Path(tmp) / "reference", env)
+            if traces is not None:
+                traces[key] = ref
+        ref = traces[key] if traces is not None else ref
         cand = train([*common, *candidate], steps, cand_rows, Path(tmp) / "candidate", env)
     return {**compare(ref, cand), **said}
 

@@ -203,6 +203,7 @@ def check_finalists(
     if steps <= 0 or top_k <= 0:
         return []
     checked: list[dict[str, Any]] = []
+    traces: dict[str, Any] = {}  # the reference, trained once for every finalist checked against it
     while True:
         with store.lock():
             if store.others_running(study):
@@ -218,7 +219,7 @@ def check_finalists(
         )
         started = time.time()
         try:
-            verdict = same_model.check(overrides(ref), overrides(row), steps, fixed, env)
+            verdict = same_model.check(overrides(ref), overrides(row), steps, fixed, env, traces)
         except RuntimeError as exc:  # a run of the check failed: the candidate is not shown to train the same model
             verdict = {"passed": False, "why": redact_text(str(exc)).splitlines()[0][:300]}
         verdict = {**verdict, "reference": ref.number, "seconds": round(time.time() - started, 1)}
