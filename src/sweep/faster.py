@@ -1,4 +1,6 @@
-"""The fastest setting that trains the same model: before the soak, each finalist that trains on the recipe's rows
+"""The fastest setting that trains the same model. On a GPU, after the map and the search, a second stage measures
+the reference with the levers that keep what is trained (SPEED_LEVERS, and the same rows in fewer micro-batches),
+those the memory model predicts to fit (`search`). Then, before the soak, each finalist that trains on the recipe's rows
 per optimizer step in another way than the reference (another micro-batch split, attention kernel, compiled
 layers...) is checked to train the same model (src/same_model.py): from the same adapter initialisation and the same
 rows in the same order, both train `hydra.sweeper.same_model_steps` optimizer steps; their per-step losses and the
@@ -53,7 +55,7 @@ def speed_levers(setting: dict[str, Any], cuda: bool) -> list[list[str]]:
     for key, value, cuda_only, with_checkpointing in SPEED_LEVERS:
         if (cuda_only and not cuda) or (with_checkpointing and not setting.get("trainer.gradient_checkpointing")):
             continue
-        if setting.get(key) not in (value, None) or key not in setting:
+        if setting.get(key) != value:
             found.append([f"{key}={override_value(value)}"])
     batch, accumulation = (setting.get(k) for k in STEP_KEYS)
     if isinstance(batch, int) and isinstance(accumulation, int) and accumulation % 2 == 0:
