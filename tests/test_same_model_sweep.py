@@ -174,3 +174,18 @@ def test_the_standard_mfu_divides_by_the_cards_spec_dense_bf16_peak() -> None:
     assert bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0 and bf16_peak_tflops("NVIDIA L40S") == 362.05
     assert bf16_peak_tflops("NVIDIA GeForce RTX 4090") == 165.2 and bf16_peak_tflops("NVIDIA A100-SXM4-80GB") == 312
     assert bf16_peak_tflops("none (cpu)") is None
+
+
+def test_where_the_recipe_fails_the_reference_is_the_stable_setting_with_its_split(tmp_path: Path) -> None:
+    """The recipe ran out of memory: the reference is the best stable setting at its batch x accumulation (the recipe
+    with the lever that made it fit), not a faster one that splits the same rows otherwise."""
+    from src.sweep import faster
+
+    storage = f"sqlite:///{tmp_path}/speed.db"
+    _study(storage, [(1, 2, 0.0, []), (1, 2, 900.0, ["trainer.gradient_checkpointing=true"]), (2, 1, 1500.0, [])])
+    study = optuna.load_study(study_name="speed", storage=storage)
+    study.set_user_attr("sweep.step_defaults", {BATCH: 1, ACC: 2, "trainer.packing": False})
+    sweep = _load(tmp_path)
+    sweep.rows[0].verdict = "failed"
+    assert faster.reference(sweep).number == 1
+    assert [r.number for r in faster.to_check(sweep, 2)[1]] == [2], "the faster split is checked against it"

@@ -137,7 +137,7 @@ def _as_trial(ref: TrialRow, combo: list[str], distributions: dict[str, Any]) ->
     the rest on top of the reference's own levers."""
     params, lever = dict(ref.params), list(ref.lever)
     for override in combo:
-        key, _, text = override.partition("=")
+        key = override.partition("=")[0]
         value = with_overrides({}, [override])[key]
         dist = distributions.get(key)
         if key in params and getattr(dist, "choices", None) is not None and value in dist.choices:
@@ -161,19 +161,8 @@ def reference(sweep: Sweep) -> TrialRow | None:
         return ranked[0] if ranked else None
     if sweep.good(recipe):
         return recipe
-    split = [recipe.setting().get(k) for k in STEP_KEYS]
-    same_split = [r for r in ranked if sweep.same_optimisation(r) and _split(sweep, r) == split]
-    return same_split[0] if same_split else None
-
-
-def _split(sweep: Sweep, row: TrialRow) -> list[Any]:
-    recipe = sweep.recipe_row()
-    setting = {**(recipe.setting() if recipe else {}), **row.setting()}
-    for override in row.lever:
-        key, _, value = override.partition("=")
-        if key.lstrip("+~") in STEP_KEYS:
-            setting[key.lstrip("+~")] = int(value)
-    return [setting.get(k) for k in STEP_KEYS]
+    split = sweep.step(recipe)  # its batch and accumulation, whatever else the levers changed
+    return next((r for r in ranked if split is not None and sweep.step(r) == split), None)
 
 
 def overrides(row: TrialRow) -> list[str]:
