@@ -124,12 +124,11 @@ def check(
     if cand_rows != ref_rows:  # another optimisation by construction: nothing to train
         return {**compare(Trace(ref_rows), Trace(cand_rows)), **said}
     with tempfile.TemporaryDirectory(prefix="same-model-") as tmp:
+        traces = {} if traces is None else traces
         key = json.dumps([*common, *reference, steps])
-        if traces is None or key not in traces:
-            ref = train([*common, *reference], steps, ref_rows, Path(tmp) / "reference", env)
-            if traces is not None:
-                traces[key] = ref
-        ref = traces[key] if traces is not None else ref
+        if key not in traces:
+            traces[key] = train([*common, *reference], steps, ref_rows, Path(tmp) / "reference", env)
+        ref = traces[key]
         cand = train([*common, *candidate], steps, cand_rows, Path(tmp) / "candidate", env)
     return {**compare(ref, cand), **said}
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import yaml
 from omegaconf import OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
@@ -406,12 +405,8 @@ def effective(params: dict[str, Any], lever: list[str]) -> tuple[dict[str, Any],
     the space) replaces the param's value; the other overrides stay its lever."""
     params, rest = dict(params), []
     for override in lever:
-        key, _, text = override.partition("=")
-        if key.lstrip("+~") in params:
-            try:
-                params[key.lstrip("+~")] = yaml.safe_load(text)
-            except yaml.YAMLError:
-                params[key.lstrip("+~")] = text
+        if override.partition("=")[0].lstrip("+~") in params:
+            params.update(knobs.with_overrides({}, [override]))
         else:
             rest.append(override)
     return params, rest

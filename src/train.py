@@ -122,8 +122,8 @@ def missing_experiment(argv: list[str], conf_dir: Path = PROJECT_DIR / "conf") -
     """`experiment=<name>` whose file is not in conf/experiment/: the one line that says where it comes from (Hydra's
     own error lists the options and its search path, not that `production` is written by a promotion)."""
     for arg in argv:
-        name = arg.removeprefix("+").split("=", 1)[1] if arg.removeprefix("+").startswith("experiment=") else None
-        if name and not (conf_dir / "experiment" / f"{name}.yaml").exists():
+        key, _, name = arg.removeprefix("+").partition("=")
+        if key == "experiment" and name and not (conf_dir / "experiment" / f"{name}.yaml").exists():
             if name == "production":
                 return (
                     "experiment=production: conf/experiment/production.yaml does not exist yet; it is written by "

@@ -137,6 +137,17 @@ def test_a_credential_in_the_config_is_refused_naming_the_variable(root: Path, t
 # ---- end to end ----------------------------------------------------------------------------------------------
 
 
+def written_without(root: Path, secrets: dict[str, str]) -> list[Path]:
+    """Every file the runs wrote under root's mlruns/ and sweeps/, each checked to hold none of `secrets` (name ->
+    value); the files, for what a test expects among them."""
+    files = [p for top in ("mlruns", "sweeps") for p in (root / top).rglob("*") if p.is_file()]
+    for path in files:
+        data = path.read_bytes()
+        for name, secret in secrets.items():
+            assert secret.encode() not in data, f"the {name} secret leaked into {path.relative_to(root)}"
+    return files
+
+
 def _start(root: Path, env: dict[str, str], *overrides: str) -> subprocess.Popen:
     """`python -m src.train ...` as run_cli runs it, started without waiting (the two trials run at once)."""
     return subprocess.Popen(
@@ -167,12 +178,8 @@ def test_planted_tokens_reach_neither_mlflow_nor_sweeps_nor_logs(root: Path, tok
     assert trials["ok"].returncode == 0, out["ok"][1][-3000:]
     assert trials["refused"].returncode == 1, out["refused"][1][-3000:]
 
-    files = [p for top in ("mlruns", "sweeps") for p in (root / top).rglob("*") if p.is_file()]
+    files = written_without(root, tokens)
     assert any(p.name == "mlflow.db" for p in files) and any(p.name == "overrides.yaml" for p in files)
-    for path in files:
-        data = path.read_bytes()
-        for name, token in tokens.items():
-            assert token.encode() not in data, f"the {name} token leaked into {path.relative_to(root)}"
     for trial, streams in out.items():
         for name, token in tokens.items():
             assert token not in streams[0] + streams[1], f"the {name} token reached the {trial} trial's console"
@@ -251,8 +258,6 @@ def test_a_token_in_a_swept_value_is_refused_before_anything_is_stored(root: Pat
     (line,) = [line for line in sweep.stderr.splitlines() if line.startswith("error: ")]
     assert line.startswith("error: data.system_prompt holds a Hugging Face token"), line
     assert not (root / "sweeps" / "leaky").exists() and not (root / "mlruns").exists()
-    files = [p for top in ("sweeps", "mlruns") for p in (root / top).rglob("*") if p.is_file()]
-    for path in files:
-        assert token.encode() not in path.read_bytes(), f"the token leaked into {path.relative_to(root)}"
+    written_without(root, {"token": token})
     for done in (sweep, report):
         assert token not in done.stdout + done.stderr

@@ -44,6 +44,7 @@ from optuna.trial import FrozenTrial
 from src import quiet, record, stores, tracking
 from src.config import override_value, study_name_problem
 from src.failures import first_line
+from src.knobs import with_overrides
 from src.record import DEAD_WORKER
 from src.redact import redact_text
 from src.study import load as load_sweep
@@ -286,7 +287,7 @@ class SweepEngine:
         run_id = self.runs.child(trial.number, slot.name, params, lever, recipe_params)
         trial.set_user_attr(record.RUN_ID, run_id)
         trial.set_user_attr(record.SLOT, slot.name)
-        self.gate.record_facts(trial, journey.setting(params, lever), run_id, self.runs)
+        self.gate.record_facts(trial, with_overrides(params, lever), run_id, self.runs)
         changed = {o.partition("=")[0].lstrip("+~") for o in lever}  # a lever's value wins over the param's
         kept = [f"{k}={override_value(v)}" for k, v in params.items() if k not in changed]
         overrides = [*self.trial_overrides, *self.fixed, *kept, *lever]

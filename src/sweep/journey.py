@@ -23,7 +23,6 @@ from src import record
 from src.config import override_value
 from src.failures import MEMORY
 from src.fit import recommend
-from src.knobs import with_overrides
 from src.study import Sweep, TrialRow
 from src.sweep import recipe as recipe_levers
 
@@ -123,11 +122,6 @@ def as_trial(
     elif params.get(SEQ) != candidate.length:
         lever.append(f"{SEQ}={candidate.length}")
     return params, lever
-
-
-def setting(params: dict[str, Any], lever: list[str]) -> dict[str, Any]:
-    """A trial's effective setting: its params, with its lever's overrides on top (config key -> value)."""
-    return with_overrides(params, lever)
 
 
 def left(study: optuna.Study, sweep: Sweep) -> bool:
