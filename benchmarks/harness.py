@@ -1,6 +1,7 @@
 """One harness for every benchmark. A benchmark is a definition, benchmarks/suites/<name>.yaml: the product's own
 commands (`python -m src.train ...`, a sweep, `python -m src.same_model`, ...) or a list of trial settings, each run
-as a user runs it, and the summary (a function of benchmarks/summaries.py) that reads what they left.
+as a user runs it, and the summary (a function of benchmarks/summaries.py) that reads what they left. Steps run one
+after another; consecutive steps marked `together: true` run at the same time (what shares a card is said so).
 
     python -m benchmarks list                                  # the benchmarks, one line each
     python -m benchmarks run NAME [key=value ...] [--out DIR] [--deadline-s S]
@@ -46,7 +47,7 @@ SUITES = PROJECT_DIR / "benchmarks" / "suites"
 RESULTS = PROJECT_DIR / "benchmarks" / "results"
 README = PROJECT_DIR / "benchmarks" / "README.md"
 KEYS = {"what", "vars", "prepare", "steps", "summary"}
-STEP_KEYS = {"name", "run", "timeout_s", "env", "result", "arm"}
+STEP_KEYS = {"name", "run", "timeout_s", "env", "result", "arm", "together"}
 TRIAL_KEYS = {"common", "settings", "design", "repeats", "slots", "timeout_s"}
 STOP_GRACE_S = 20  # a timed-out command's Ctrl-C first (a sweep closes its runs), then its whole session is killed
 
@@ -132,8 +133,14 @@ def plan(run: Run) -> list[list[dict[str, Any]]]:
             if argv[0] == "src.train" and "-m" not in argv:  # a single run writes its result.json in its run dir
                 argv.append(f"hydra.run.dir={run.work / name}")
                 result = result or "${row}/result.json"
-            groups.append([{"name": name, "argv": argv, "timeout_s": step.get("timeout_s"), "env": step.get("env"),
-                            "result": result and run.fill(result, row=str(run.work / name)), "arm": step.get("arm")}])  # fmt: skip
+            item = {"name": name, "argv": argv, "timeout_s": step.get("timeout_s"), "env": step.get("env"),
+                    "result": result and run.fill(result, row=str(run.work / name)), "arm": step.get("arm")}  # fmt: skip
+            if step.get("together") and groups and groups[-1][0].get("together"):  # at once with the step before
+                groups[-1].append(item)
+                for one in groups[-1]:
+                    one["slots"] = len(groups[-1])
+            else:
+                groups.append([{**item, "together": bool(step.get("together")), "slots": 1}])
             continue
         block = step["trials"]
         settings = dict(block.get("settings") or {})

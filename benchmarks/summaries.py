@@ -6,6 +6,8 @@ left (benchmarks/harness.py), and what a definition prepares before its commands
 - journey: the default command from the recipe to a soaked, promoted setting and its production run (issue 28).
 - production_resume: a production run with a real fault mid-run, restarted from its checkpoint (issue 45).
 - memory_judge: the memory model fitted to earlier random sets and judged on a fresh one it never saw (issue 29).
+- same_model_calibration: src.same_model's figures for pairs known to train the same model and one known not to.
+- device_peak: a trial's recorded device peak beside nvidia-smi's per-process maximum (issue 47, finding 10).
 """
 
 from __future__ import annotations
@@ -348,4 +350,47 @@ def memory_judge(record: dict, run: Any) -> dict:
         "not_measured": [s["name"] for s in settings if s["status"] not in ("ok", "failed")],
         "model": model.to_dict(),
         "settings": settings,
+    }
+
+
+def same_model_calibration(record: dict, run: Any) -> dict:
+    """Each src.same_model row's figures (whatever the verdict under today's tolerance): the largest per-step loss
+    difference, absolute and as a share of the reference's loss, and the adapters' relative difference."""
+    out = {}
+    for row in record.get("rows", []):
+        found = row.get("output") or {}
+        losses = found.get("losses") or {}
+        ref = losses.get("reference") or []
+        cand = losses.get("candidate") or []
+        rel = max((abs(a - b) / abs(a) for a, b in zip(ref, cand, strict=False) if a), default=None)
+        out[row["name"]] = {
+            "passed": found.get("passed"),
+            "max_loss_diff": found.get("max_loss_diff"),
+            "max_loss_rel_diff": rel,
+            "adapter_rel_diff": found.get("adapter_rel_diff"),
+            "losses": losses,
+            "why": found.get("why"),
+            "exit_code": row.get("exit_code"),
+            "tail": row.get("tail"),
+        }
+    return {"pairs": out, "tolerance": next((r["output"].get("tolerance") for r in record.get("rows", [])
+                                              if r.get("output")), None)}  # fmt: skip
+
+
+def device_peak(record: dict, run: Any) -> dict:
+    """The trial's device peak (NVML, in the trial) against nvidia-smi's per-process maximum over the same run."""
+    row = next((r for r in record.get("rows", []) if r.get("result")), {})
+    found = row.get("result") or {}
+    trial = found.get("result") or {}
+    metrics = trial.get("metrics") or {}
+    recorded, seen = metrics.get("peak_vram_device_gib"), found.get("nvidia_smi_max_gib")
+    return {
+        "status": trial.get("status"),
+        "failure_kind": (trial.get("failure") or {}).get("kind"),
+        "recorded_device_gib": recorded,
+        "recorded_reserved_gib": metrics.get("peak_vram_reserved_gib"),
+        "oom_request_gib": metrics.get("oom_request_gib"),
+        "nvidia_smi_max_gib": seen,
+        "nvidia_smi_max_gib_by_pid": found.get("nvidia_smi_max_gib_by_pid"),
+        "recorded_minus_nvidia_smi_gib": None if recorded is None or seen is None else recorded - seen,
     }

@@ -100,6 +100,9 @@ class TrainerConfig:
     gradient_checkpointing: bool = MISSING
     # With gradient_checkpointing: full | no_down | selective (src/recompute.py: what the backward redoes)
     recompute: str = MISSING
+    # With gradient_checkpointing: micro-batches of at most this many tokens keep their activations (no
+    # recompute); longer ones checkpoint. null: every micro-batch checkpoints (src/recompute.py TokenGate)
+    checkpoint_above_tokens: int | None = MISSING
     # The user's word; transformers now says train_sampling_strategy="group_by_length".
     group_by_length: bool = MISSING
     padding_free: bool = MISSING

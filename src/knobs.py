@@ -45,6 +45,9 @@ KNOBS: tuple[Knob, ...] = (
     # no_down needs what full needs. "increasing" compares the words: full < no_down < selective, so an OOM at full
     # makes the other two certain OOMs, one at no_down selective's. Only with checkpointing (preflight).
     Knob("trainer.recompute", "recompute", "increasing"),
+    # with checkpointing, micro-batches of at most this many tokens keep their activations: more needs more (null
+    # checkpoints every one: no rule, the certain-OOM rule needs the value equal)
+    Knob("trainer.checkpoint_above_tokens", "ckpt_above"),
     Knob("model.attn_implementation", "attn", lever="sdpa"),  # fused kernels keep no L x L scores
     Knob("trainer.padding_free", "pad_free"),
     Knob("trainer.packing", "packing"),

@@ -92,6 +92,50 @@ class SavePolicy:
         return CheckpointPolicy.MUST_SAVE
 
 
+class TokenGate:
+    """`trainer.checkpoint_above_tokens`: checkpoint only the micro-batches that need it. Before each forward of the
+    model, every checkpointing decoder layer is told whether to recompute: yes where the micro-batch holds more than
+    `above` tokens (rows x padded length, or a packed row's length), no where it holds fewer, whose activations
+    the card can keep. The sum is the same either way (a checkpointed layer's backward recomputes the same forward),
+    so the adapter is checkpointing's; only the time differs: a short micro-batch skips its recompute (a quarter of
+    a checkpointed step's matmul work). The threshold is the memory model's to choose (src/sweep/faster.py): the
+    most tokens whose activations fit the card without checkpointing; the longest micro-batches still checkpoint.
+    `gated` counts the micro-batches (checkpointed, kept)."""
+
+    def __init__(self, model: Any, above: int) -> None:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        self.above = int(above)
+        self.layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for layer in self.layers:
+            layer.qlora_token_gate = self.above  # the checkpointing guard's sign that a layer is gated
+        self.gated = [0, 0]
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
+        import torch
+
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None and args:
+            ids = args[0]
+        if ids is None:
+            return
+        tokens = int(ids.shape[0]) * int(ids.shape[1]) if ids.dim() > 1 else int(ids.numel())
+        on = tokens > self.above
+        for layer in self.layers:
+            layer.gradient_checkpointing = on
+        self.gated[0 if on else 1] += 1
+
+    @property
+    def checkpointed_frac(self) -> float | None:
+        total = sum(self.gated)
+        return self.gated[0] / total if total else None
+
+
 def compiles_the_checkpoint(cfg: Any) -> bool:
     """Whether `trainer.torch_compile=layers` compiles each layer's checkpoint call with the layer inside it
     (`compiled_checkpoints`) instead of the layer alone (src/models.py compile_layers): with selective recompute.

@@ -72,8 +72,18 @@ def same_model_key(number: int) -> str:
     return f"{SAME_MODEL}.{number}"
 
 
+# A setting's speed read alone on its card, several times (src/sweep/timing.py), a study user attr per trial
+# ("sweep.timed.7"): {"tokens_per_s": the median, "tokens_per_s_min", "tokens_per_s_max", "readings", "runs",
+# "finished", "mfu_standard", "peak_vram_reserved_gib", "alone": True}; the ranking reads the median
+TIMED = "sweep.timed"
+
+
+def timed_key(number: int) -> str:
+    return f"{TIMED}.{number}"
+
+
 RECOMMENDATION = "sweep.recommendation"  # study user attr: {"why", "queued": [[overrides]], "closest", "note"}
-ROLE = "sweep.role"  # parent | soak
+ROLE = "sweep.role"  # parent | soak | timing
 RUN_KIND = "run.kind"  # sweep (the parent) | trial | skipped | soak
 OPTUNA_STUDY = "optuna.study"
 OPTUNA_TRIAL = "optuna.trial"
@@ -94,6 +104,7 @@ SOAK_PREFIX = "soak."
 SOAK_STATUS = "soak.status"  # passed | failed, on the soak's run and on the finalist's
 SOAK_RUN_ID = "soak.run_id"  # on the finalist's run
 SOAK_OF_TRIAL = "soak.of_trial"  # on the soak's run
+TIMED_OF_TRIAL = "timed.of_trial"  # on a timing run (src/sweep/timing.py)
 
 # ---- a dead worker's trial -------------------------------------------------------------------------------------
 

@@ -104,6 +104,10 @@ def compare(reference: Trace, candidate: Trace, tolerance: dict[str, float] | No
         "adapter_rel_diff": rel,
         "steps": len(steps),
         "tolerance": tol,
+        "losses": {
+            "reference": [reference.losses[s] for s in steps],
+            "candidate": [candidate.losses[s] for s in steps],
+        },
     }
 
 

@@ -57,8 +57,11 @@ class TrialRow:
     recommended: bool = False  # a recommendation trial (src/sweep/journey.py): levers combined with a length
     # The config keys and values it ran with, where they are not its params (a custom search space's labels)
     settings: dict[str, Any] | None = None
-    # The same-model check against the reference, where the sweep ran it (record.SAME_MODEL); {} where not
-    same_model: dict[str, Any] = field(default_factory=dict)
+    same_model: dict[str, Any] = field(default_factory=dict)  # the check against the reference (record.SAME_MODEL)
+    timed: dict[str, Any] = field(default_factory=dict)  # its speed read alone, several times (record.TIMED)
+
+    def speed(self) -> float | None:  # tokens/s: the median of its runs alone where timed (src/sweep/timing.py)
+        return self.timed.get("tokens_per_s") or self.metrics.get("tokens_per_s")
 
     def setting(self) -> dict[str, Any]:
         """Config key -> value as the trial ran (its params, or what a custom space's labels stood for)."""
@@ -255,7 +258,11 @@ class Sweep:
         stable = [
             r for r in self.rows if r.verdict == "stable" and objective in r.metrics and not self.cuts_too_much(r)
         ]
-        return sorted(stable, key=lambda r: ((1 if maximize else -1) * r.metrics[objective], -r.number), reverse=True)
+        return sorted(stable, key=lambda r: ((1 if maximize else -1) * self.score(r), -r.number), reverse=True)
+
+    def score(self, row: TrialRow) -> float:
+        """A stable trial's first objective; tokens/s: the median of its runs alone where the sweep timed it."""
+        return row.speed() if self.objectives[0] == "tokens_per_s" else row.metrics[self.objectives[0]]
 
     def trains_differently(self) -> list[TrialRow]:
         """The stable trials that put other rows into an optimizer step than the recipe, best first."""
@@ -343,6 +350,7 @@ def load(
     rows = [_row(t, margin, t.number in retried) for t in trials]
     for row in rows:
         row.same_model = study.user_attrs.get(record.same_model_key(row.number)) or {}
+        row.timed = study.user_attrs.get(record.timed_key(row.number)) or {}
     budgets = [float(t.user_attrs["vram_budget_gib"]) for t in trials if t.user_attrs.get("vram_budget_gib")]
     return Sweep(
         name=name,

@@ -111,11 +111,18 @@ def try_once() -> None:
 
 
 def setup(uri: str) -> None:
-    """Point MLflow at `uri`; a sqlite store's folder is created first."""
+    """Point MLflow at `uri`; a sqlite store's folder is created first, and its tables by one process at a time
+    (runs started together on a new store would otherwise each create and migrate them: "duplicate column name")."""
     import mlflow
 
     if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        db = Path(uri.removeprefix("sqlite:///"))
+        db.parent.mkdir(parents=True, exist_ok=True)
+        from filelock import FileLock
+        from mlflow.tracking import MlflowClient
+
+        with FileLock(str(db) + ".lock"):
+            MlflowClient(uri).search_experiments(max_results=1)  # creates (or migrates) the tables, once
     mlflow.set_tracking_uri(uri)
 
 

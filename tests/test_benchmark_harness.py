@@ -18,7 +18,7 @@ from src.config import PROJECT_DIR, compose
 
 RESULTS = PROJECT_DIR / "benchmarks" / "results"
 PRODUCT = {"src.train", "src.promote", "src.report", "src.same_model", "benchmarks.peer_arm", "benchmarks.ui_screenshot",
-           "benchmarks.eager_attention_memory"}  # fmt: skip
+           "benchmarks.eager_attention_memory", "benchmarks.device_peak"}  # fmt: skip
 
 
 @pytest.mark.slow(seconds=60)
@@ -77,6 +77,20 @@ def test_every_definition_loads_runs_the_product_s_commands_and_its_trials_compo
                 compose([w for w in argv[1:] if not w.startswith(("hydra.", "checkpoint.dir="))])
     with pytest.raises(SystemExit, match="no benchmark 'nope'"):
         harness.load("nope")
+
+
+def test_steps_marked_together_run_at_once_and_the_rest_one_after_another() -> None:
+    suite = harness.load("same_model_gpu")
+    variables = {k: str(v) for k, v in (suite.get("vars") or {}).items()}
+    run = harness.Run("same_model_gpu", suite, variables, Path("/r"), Path("/o/x_h100.json"), {"card": "h100"})
+    groups = harness.plan(run)
+    assert [[i["name"] for i in g] for g in groups] == [["itself", "levers", "control"]]
+    assert {i["slots"] for i in groups[0]} == {3}
+    suite = {"steps": [{"name": "a", "run": "src.report x"}, {"name": "b", "run": "src.report y", "together": True},
+                       {"name": "c", "run": "src.report z", "together": True}, {"name": "d", "run": "src.report w"}]}  # fmt: skip
+    groups = harness.plan(harness.Run("t", suite, {}, Path("/r"), Path("/o/t_cpu.json")))
+    assert [[i["name"] for i in g] for g in groups] == [["a"], ["b", "c"], ["d"]]
+    assert [g[0]["slots"] for g in groups] == [1, 2, 1]
 
 
 def test_the_card_s_short_name_is_the_one_in_file_names() -> None:

@@ -63,6 +63,7 @@ class OptunaSweeperConf:
     recommend_trials: int = MISSING
     speed_trials: int = MISSING
     same_model_steps: int = MISSING
+    timing_repeats: int = MISSING
     promote_different_optimisation: bool = MISSING
 
 

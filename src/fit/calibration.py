@@ -212,6 +212,8 @@ def point_of(params: dict[str, str], metrics: dict[str, float], lengths: Lengths
         return None
     if int(cfg.get("hardware", {}).get("processes") or 1) > 1:
         return None
+    if setting.checkpointing and setting.checkpoint_above_tokens is not None:
+        return None  # its peak is a checkpointed micro-batch's or a kept one's: not one form's point to fit
     return Point(
         setting,
         peak_batch(lengths.of(cfg), setting),

@@ -18,7 +18,7 @@ max_seq_length` tokens laid end to end (trl's padding-free packing), whose SDPA 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +304,21 @@ class MemoryModel:
         return under, over
 
     def predict(self, s: Setting, batch: Batch) -> Prediction:
+        """The peak of `s` at its largest micro-batch. Under `checkpoint_above_tokens` two micro-batches may hold it:
+        the largest, checkpointed, and the largest that keeps its activations, bounded by `batch`'s rows each cut to
+        an equal share of that many tokens; the higher of the two."""
+        above = s.checkpoint_above_tokens if s.checkpointing else None
+        plain = replace(s, checkpoint_above_tokens=None)
+        if above is None:
+            return self._predict(plain, batch)
+        kept = Batch(tuple(min(r, max(1, above // len(batch.rows))) for r in batch.rows))
+        unchecked = self._predict(replace(plain, checkpointing=False), kept)
+        if batch.tokens <= above:  # no micro-batch is long enough to checkpoint
+            return unchecked
+        checked = self._predict(plain, batch)
+        return max(checked, unchecked, key=lambda p: p.needed_gib)
+
+    def _predict(self, s: Setting, batch: Batch) -> Prediction:
         return Prediction(self.terms(s, batch), self.context_gib, *self.bounds(s), expandable=s.expandable_segments)
 
     def to_dict(self) -> dict[str, Any]:

@@ -93,6 +93,8 @@ class Setting:
     world_size: int = 1
     expandable_segments: bool = False  # the caching allocator's expandable segments (hardware.expandable_segments)
     recompute: str = "full"  # under checkpointing, what the backward redoes (trainer.recompute; src/recompute.py)
+    # under checkpointing, micro-batches of at most this many tokens keep their activations (src/recompute.py TokenGate)
+    checkpoint_above_tokens: int | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, vocab_fallback: int | None = None) -> Setting:
@@ -113,6 +115,7 @@ class Setting:
             fused_loss=bool(t.get("use_liger_kernel", False)),
             expandable_segments=bool((cfg.get("hardware") or {}).get("expandable_segments") or False),
             recompute=str(t.get("recompute", "full")),
+            checkpoint_above_tokens=_tokens(t.get("checkpoint_above_tokens")),
         )
 
     def with_knobs(self, **knobs: Any) -> Setting:
@@ -147,6 +150,10 @@ def peak_batch(lengths: np.ndarray | None, setting: Setting) -> Batch:
         return Batch((int(min(batch * seq, cut.sum())),))
     longest = cut[:batch]
     return Batch((int(longest.max()),) * len(longest))
+
+
+def _tokens(value: Any) -> int | None:
+    return None if value in (None, "None", "null") else int(value)
 
 
 def _targets(value: Any) -> list[str]:

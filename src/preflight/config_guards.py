@@ -173,6 +173,22 @@ def _check_trainer_features(cfg: DictConfig, report: Report) -> None:
             "nothing here (it does with eager layers, and with compiled layers on transformers 5.17-5.22, where the "
             "checkpoint sits around the compiled layer)",
         )
+    above = cfg.trainer.get("checkpoint_above_tokens")
+    if above is not None and (isinstance(above, bool) or not isinstance(above, int) or above < 1):
+        report.add(
+            "checkpoint_above_tokens",
+            "error",
+            f"trainer.checkpoint_above_tokens={above}: use a number of tokens >= 1 (micro-batches of at most that "
+            "many keep their activations) or null (every micro-batch checkpoints)",
+        )
+    elif above is not None and not cfg.trainer.gradient_checkpointing:
+        report.add(
+            "checkpoint_above_tokens",
+            "error",
+            f"trainer.checkpoint_above_tokens={above} chooses which micro-batches checkpoint, but "
+            "trainer.gradient_checkpointing=false checkpoints none; set trainer.gradient_checkpointing=true or "
+            "trainer.checkpoint_above_tokens=null",
+        )
     if (
         cfg.trainer.torch_compile == "layers"
         and cfg.trainer.gradient_checkpointing

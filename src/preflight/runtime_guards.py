@@ -116,7 +116,13 @@ class CheckpointingGuard(TrainerCallback):
         self._handle.remove()
         # transformers sets the flag on each repeated layer and on the stack that holds them; the layers are
         # what recompute, so they are what is counted.
-        flagged = [m for m in module.modules() if getattr(m, "gradient_checkpointing", None) is True]
+        # a layer under trainer.checkpoint_above_tokens (src/recompute.py TokenGate) checkpoints only the long
+        # micro-batches: the first one may be short
+        flagged = [
+            m
+            for m in module.modules()
+            if getattr(m, "gradient_checkpointing", None) is True or getattr(m, "qlora_token_gate", None)
+        ]
         layers = [m for m in flagged if isinstance(m, GradientCheckpointingLayer)] or flagged
         idle = [m for m in layers if not m.training]
         if self.wanted and not flagged:

@@ -295,7 +295,7 @@ def _budget(sweep: Sweep, row: TrialRow) -> float | None:
 
 
 def _speed(row: TrialRow) -> float:
-    return row.metrics.get("tokens_per_s", 0.0)
+    return row.speed() or 0.0
 
 
 def _name(key: str) -> str:

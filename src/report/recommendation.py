@@ -20,7 +20,7 @@ def recommendation(sweep: Sweep, recipe: TrialRow | None) -> str:
     cut = sweep.cut_answers(row) or 0.0
     return (
         f"Recommended: trial {row.number} ({words(sweep, row, recipe)}): {_figures(sweep, row)}{_against(row, recipe)}"
-        f"{same_model_words(row)}; {_soak(soak)}; it keeps {1 - cut:.1%} of answers whole. Train it: `{promote}`, then "
+        f"{same_model_words(sweep, row)}; {_soak(soak)}; it keeps {1 - cut:.1%} of answers whole. Train it: `{promote}`, then "
         "`python -m src.train experiment=production`."
     )
 
@@ -50,8 +50,8 @@ def _figures(sweep: Sweep, row: TrialRow) -> str:
             f"{m['peak_vram_reserved_gib']:.2f} GiB peak reserved"
             + (f" of the {budget:g} GiB budget" if budget else "")
         )
-    if m.get("tokens_per_s"):
-        parts.append(f"{m['tokens_per_s']:,.0f} tokens/s{read_how(sweep, row)}")
+    if row.speed():
+        parts.append(f"{row.speed():,.0f} tokens/s{read_how(sweep, row)}")
     return ", ".join(parts) or "no figures recorded"
 
 
@@ -59,7 +59,7 @@ def _against(row: TrialRow, recipe: TrialRow | None) -> str:
     """Against the recipe: its speed ratio where it ran, else how it failed."""
     if recipe is None or row.number == recipe.number:
         return ""
-    speed, theirs = row.metrics.get("tokens_per_s"), recipe.metrics.get("tokens_per_s")
+    speed, theirs = row.speed(), recipe.speed()
     if recipe.verdict in ("stable", "marginal") and speed and theirs:
         said = f" ({speed / theirs:.2f}× your recipe's speed; your recipe: {recipe.verdict}, {recipe.detail})"
     else:
@@ -70,17 +70,25 @@ def _against(row: TrialRow, recipe: TrialRow | None) -> str:
     return said
 
 
-def same_model_words(row: TrialRow) -> str:
-    """The same-model check's verdict on the setting (src/sweep/faster.py), where the sweep made it."""
+def same_model_words(sweep: Sweep, row: TrialRow) -> str:
+    """The same-model check's verdict on the setting (src/sweep/faster.py), where the sweep made it, and its speed
+    against the reference's where the sweep timed both alone (src/sweep/timing.py)."""
     check = row.same_model
     if not check.get("passed") or "max_loss_diff" not in check:
         return ""
     tol = check["tolerance"]
-    return (
+    said = (
         f"; it trains the same model as trial {check['reference']} (checked over {check['steps']} optimizer steps on "
         f"the same rows: losses within {check['max_loss_diff']:.1e} of its, tolerance {tol['max_loss_diff']:g}; "
         f"adapter within {check['adapter_rel_diff']:.2%}, tolerance {tol['adapter_rel_diff']:.0%})"
     )
+    ref = next((r for r in sweep.rows if r.number == check["reference"]), None)
+    if ref is not None and ref.timed.get("tokens_per_s") and row.timed.get("tokens_per_s"):
+        said += (
+            f" at {row.timed['tokens_per_s'] / ref.timed['tokens_per_s']:.2f}× its speed (medians of runs alone: "
+            f"{row.timed['tokens_per_s']:,.0f} against {ref.timed['tokens_per_s']:,.0f} tokens/s)"
+        )
+    return said
 
 
 def _soak(soak: dict) -> str:

@@ -33,8 +33,13 @@ _OPTIONAL = (
 
 
 def read_how(sweep: Sweep, row: TrialRow) -> str:
-    """How a trial's speed was read, as words after it: " (read alone on its card)", " (read on a card shared by up
-    to 4 trials)", " (read on a CPU)"; "" where the trial's slot is not known."""
+    """How a trial's speed was read, as words after it: " (the median of 3 runs alone on its card: 1,850-1,990)"
+    where the sweep timed it (src/sweep/timing.py), " (read alone on its card)", " (read on a card shared by up to 4
+    trials)", " (read on a CPU)"; "" where the trial's slot is not known."""
+    timed = row.timed
+    if timed.get("tokens_per_s"):
+        low, high = timed["tokens_per_s_min"], timed["tokens_per_s_max"]
+        return f" (the median of {timed['finished']} runs alone on its card: {low:,.0f}-{high:,.0f})"
     slot = row.slot or ""
     if not slot:
         return ""

@@ -48,7 +48,7 @@ from src.knobs import with_overrides
 from src.record import DEAD_WORKER
 from src.redact import redact_text
 from src.study import load as load_sweep
-from src.sweep import faster, journey, prepare, recipe, seeds, soak
+from src.sweep import faster, journey, prepare, recipe, seeds, soak, timing
 from src.sweep.checks import check_space
 from src.sweep.gate import Gate
 from src.sweep.launch import launch
@@ -57,7 +57,7 @@ from src.sweep.memory import MemoryGate
 from src.sweep.process import start_launcher
 from src.sweep.rules import LaunchRules
 from src.sweep.runs import SweepRuns, parent_tags
-from src.sweep.slots import Slot, discover_slots
+from src.sweep.slots import Slot, devices, discover_slots
 from src.sweep.space import SpaceError, custom_space, refuse_changed, sweep_space
 from src.sweep.stop import logged_to, on_signals, stopping, store_trouble
 from src.sweep.storage import StudyStore, worker_identity
@@ -174,7 +174,9 @@ class SweepEngine:
         self.gate.memory = MemoryGate(self.config, self.sweeper.memory_model, self.gate.facts.lengths, self.budget)
         study = self.open_study()
         with self.store.lock():  # workers starting at once: one parent run, one copy of each enqueued trial
-            if self.store.complete(study, self.sweeper.n_trials) and not self.left_to_do(study):
+            if self.store.complete(study, self.sweeper.n_trials) and not left_to_do(
+                self.sweeper, study, self.classified
+            ):
                 self.tally.refresh(study)
                 print(self.tally.complete(self.sweeper.n_trials, self.report_command(), self.store.fresh_name()))
                 return  # its parent run and its settings stay as the sweep that ran it left them
@@ -198,6 +200,9 @@ class SweepEngine:
             if not stopping.is_set():  # then the finalists that train the same model as the reference, soaked
                 self.tally.close_bar()
                 faster.check_finalists(study, self.store, self.classified, self.sweeper, self.fixed, slots[0].env)
+                probe = [*self.trial_overrides, *self.fixed]
+                timing.finalists(study, self.store, self.classified, self.sweeper, slots, probe, self.runs,
+                                 self.budget, self.ledger)  # fmt: skip
                 args = (self.sweeper, slots, self.fixed, self.runs, self.budget, self.ledger)
                 soak.finalists(study, self.store, self.classified, *args)
         finally:
@@ -284,9 +289,11 @@ class SweepEngine:
         lever = recipe.lever_overrides(trial)
         of = trial.user_attrs.get(record.LEVER_OF)
         recipe_params = self.store.get(of).params if of is not None else None
-        run_id = self.runs.child(trial.number, slot.name, params, lever, recipe_params)
+        # the second stage's settings run alone on their card (below): their slot is the card, not a share of it
+        where = slot.name.split("#", 1)[0] if trial.user_attrs.get(record.FASTER) else slot.name
+        run_id = self.runs.child(trial.number, where, params, lever, recipe_params)
         trial.set_user_attr(record.RUN_ID, run_id)
-        trial.set_user_attr(record.SLOT, slot.name)
+        trial.set_user_attr(record.SLOT, where)
         self.gate.record_facts(trial, with_overrides(params, lever), run_id, self.runs)
         changed = {o.partition("=")[0].lstrip("+~") for o in lever}  # a lever's value wins over the param's
         kept = [f"{k}={override_value(v)}" for k, v in params.items() if k not in changed]
@@ -303,7 +310,9 @@ class SweepEngine:
         try:  # through the one launcher every trial and soak takes (src/sweep/launch.py)
             beat = lambda: self.store.heartbeat(trial.number)  # noqa: E731
             args = (self.runs, self.sweeper, slot, str(trial.number), overrides, log_dir, run_id, self.budget, beat)
-            outcome = launch(*args, self.ledger, self.gate.share(trial.number))
+            # the second stage's settings are read alone on the card: their speed is what they are for
+            alone = bool(trial.user_attrs.get(record.FASTER))
+            outcome = launch(*args, self.ledger, self.gate.share(trial.number), alone=alone)
         finally:
             with self.lock:
                 self.tally.counts["running"] -= 1
@@ -319,22 +328,28 @@ class SweepEngine:
         self.tally.start_bar(self.sweeper)
         return True
 
-    def left_to_do(self, study: optuna.Study) -> bool:
-        """Whether a complete study still has a search or finalists to soak (a re-run does them)."""
-        sweeper = self.sweeper
-        if int(sweeper.recommend_trials) <= 0 and int(sweeper.soak_top_k) <= 0:
-            return False
-        sweep = self.classified()
-        if int(sweeper.recommend_trials) > 0 and journey.left(study, sweep):
-            return True
-        if int(sweeper.same_model_steps) > 0 and faster.to_check(sweep, int(sweeper.soak_top_k))[1]:
-            return True
-        return int(sweeper.soak_top_k) > 0 and bool(soak.pending(study, sweep, int(sweeper.soak_top_k)))
-
     def classified(self) -> Any:
         """The study as the report reads it (src/study.py): every trial classified, the stable ones ranked."""
         where = (Path(self.config.paths.sweeps_dir), self.store.url, float(self.sweeper.headroom_margin))
         return load_sweep(self.study_name, *where, self.config.tracking.uri)
+
+
+def left_to_do(sweeper: DictConfig, study: optuna.Study, classified: Any) -> bool:
+    """Whether a complete study still has a search, a second stage, finalists to check, time or soak (a re-run does
+    them); `classified`: the engine's reading of the study."""
+    if int(sweeper.recommend_trials) <= 0 and int(sweeper.soak_top_k) <= 0:
+        return False
+    sweep, top_k = classified(), int(sweeper.soak_top_k)
+    if int(sweeper.recommend_trials) > 0 and journey.left(study, sweep):
+        return True
+    on_gpu = bool(devices(sweeper))
+    if on_gpu and int(sweeper.speed_trials) > 0 and faster.pending(study, sweep):
+        return True
+    if int(sweeper.same_model_steps) > 0 and faster.to_check(sweep, top_k)[1]:
+        return True
+    if on_gpu and int(sweeper.get("timing_repeats", 0)) > 0 and timing.to_time(sweep, top_k):
+        return True
+    return top_k > 0 and bool(soak.pending(study, sweep, top_k))
 
 
 def _params(custom: Any, config: DictConfig, trial: optuna.Trial, distributions: dict[str, Any]) -> dict[str, Any]:

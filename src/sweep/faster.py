@@ -45,7 +45,12 @@ SPEED_LEVERS = (
     ("trainer.recompute", "no_down", False, True),  # the checkpoint's recompute skips the frozen down_proj product
     ("trainer.torch_compile", "layers", True, False),  # each decoder layer compiled (norms, RoPE, SwiGLU, LoRA fused)
     ("model.upcast_non_quantized", False, False, False),  # bf16 embeddings, norms and lm_head: fewer casts
+    # only the micro-batches too long for the card checkpoint (src/recompute.py TokenGate); the number of tokens is
+    # the memory model's, per combination (`kept_tokens`): AUTO until then
+    ("trainer.checkpoint_above_tokens", "auto", True, True),
 )
+AUTO = "trainer.checkpoint_above_tokens='auto'"
+TOKEN_STEP = 128  # the kept micro-batch's tokens, a multiple of this
 
 
 def speed_levers(setting: dict[str, Any], cuda: bool) -> list[list[str]]:
@@ -109,9 +114,13 @@ def search(
     for combo in combos[-1:] + combos[:-1]:  # every lever (the fastest guess), then one, two...
         if len(queued) >= k:
             break
+        combo = kept_tokens(memory, [*fixed, *overrides(ref)], list(combo), budget, sweep.margin)
+        if not combo:
+            continue
         trial_params, lever = _as_trial(ref, list(combo), distributions)
         effective = {**ref.setting(), **trial_params, **with_overrides({}, lever)}
-        if json.dumps(sorted(effective.items()), default=str) in seen:
+        key = json.dumps(sorted(effective.items()), default=str)
+        if key in seen:
             continue
         prediction = memory.predict([*fixed, *overrides(ref), *combo])
         if memory.describes_device() and (prediction is None or not fits_with_margin(prediction, budget, sweep.margin)):
@@ -120,10 +129,44 @@ def search(
             trial_params, user_attrs={record.LEVER: json.dumps(lever), record.LEVER_OF: ref.number, record.FASTER: True}
         )
         queued.append(lever)
+        seen.add(key)
     study.set_user_attr(record.FASTER, {"reference": ref.number, "queued": queued})
     if queued:
         print(f"faster: measuring {len(queued)} setting(s) that train trial {ref.number}'s model, beyond n_trials")
     return queued
+
+
+def pending(study: optuna.Study, sweep: Sweep) -> bool:
+    """Whether the second stage is still to run: never run on this study, and a reference to run it on."""
+    return record.FASTER not in study.user_attrs and reference(sweep) is not None
+
+
+def kept_tokens(memory: Any, base: list[str], combo: list[str], budget: float, margin: float) -> list[str]:
+    """`combo` with its AUTO lever set to the most tokens a micro-batch may hold and keep its activations: the
+    largest multiple of TOKEN_STEP, up to the setting's longest micro-batch, whose predicted peak (the checkpointed
+    longest micro-batch's or the kept one's, src/fit/model.py) fits the budget with the margin. Without it where
+    none does or where the memory model does not describe the device (a CPU: no card to fit)."""
+    if AUTO not in combo:
+        return combo
+    rest = [o for o in combo if o != AUTO]
+    setting = memory.setting([*base, *rest])
+    if setting is None or not memory.describes_device():
+        return rest
+    from src.fit.setting import peak_batch
+
+    longest = peak_batch(memory.lengths, setting).tokens
+
+    def fits(tokens: int) -> bool:
+        prediction = memory.predict([*base, *rest, f"trainer.checkpoint_above_tokens={tokens}"])
+        return prediction is not None and fits_with_margin(prediction, budget, margin)
+
+    low, high = 0, longest // TOKEN_STEP  # in steps: the most that fits, by bisection (the peak grows with it)
+    if fits(longest):
+        return [*rest, f"trainer.checkpoint_above_tokens={longest}"]
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid * TOKEN_STEP) else (low, mid - 1)
+    return [*rest, f"trainer.checkpoint_above_tokens={low * TOKEN_STEP}"] if low else rest
 
 
 def _composed(config: Any) -> dict[str, Any]:

@@ -37,10 +37,12 @@ def launch(
     heartbeat: Callable[[], None] | None = None,
     ledger: CardLedger | None = None,
     share_gib: float | None = None,
+    alone: bool = False,
 ) -> Outcome:
     """Run the trial's process on `slot` for MLflow run `run_id` (`label`: the trial's number, or `soak-<number>`)
     and say how it ended; its run is ended whatever happened to the process. On a card it shares (`ledger`), it
-    starts once its share (`share_gib`, GiB; None: its whole budget) fits beside the others'."""
+    starts once its share (`share_gib`, GiB; None: its whole budget) fits beside the others' (`alone`: once no
+    other trial runs there, and none starts there until it ends: its speed is then its own)."""
     env = {**slot.env, RUN_ENV: run_id, TRIAL_ENV: label}
     every = float(sweeper.get("heartbeat_interval_s", 10))  # a trial waiting for memory beats as a running one does
 
@@ -50,7 +52,7 @@ def launch(
         with ledger.hold(slot, share, alone, heartbeat, every) if ledger else nullcontext():
             return run_process(overrides, log_dir / sub, {**env, **(extra_env or {})}, sweeper, heartbeat)
 
-    outcome = attempt()
+    outcome = attempt(alone=alone)
     tracking.set_tags(runs.client, run_id, {record.LAUNCHER: outcome.launcher})
     if outcome.failure and outcome.failure["kind"] == "oom" and card_ran_out(outcome.metrics):
         outcome = rerun_alone(runs, run_id, label, slot, outcome, attempt)

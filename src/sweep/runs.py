@@ -109,6 +109,22 @@ class SweepRuns:
         )
         return run.info.run_id
 
+    def timed(self, number: int, repeat: int, slot: str) -> str:
+        """The run of trial `number`'s timing run `repeat` (src/sweep/timing.py), under the sweep's parent run."""
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"timed-trial-{number:03d}.{repeat}",
+            tags={
+                record.PARENT_RUN: self.parent,
+                record.OPTUNA_STUDY: self.study_name,
+                record.TIMED_OF_TRIAL: str(number),
+                record.ROLE: "timing",
+                KIND: "timing",
+                record.SLOT: slot,
+            },
+        )
+        return run.info.run_id
+
     def mark_skipped(
         self, run_id: str, number: int, params: dict[str, Any], why: str, because_of: int | None = None
     ) -> None:

@@ -41,6 +41,7 @@ def check_values(sweeper: DictConfig) -> None:
         "recommend_trials": (lambda v: v >= 0, "at least 0 (0: the sweep does not search for a setting)"),
         "speed_trials": (lambda v: v >= 0, "at least 0 (0: no search for the same model faster)"),
         "same_model_steps": (lambda v: v >= 0, "optimizer steps, at least 0 (0: no same-model check)"),
+        "timing_repeats": (lambda v: v >= 0, "runs, at least 0 (0: the speeds are the map's)"),
     }
     for key, (ok, what) in ranges.items():
         value = sweeper.get(key)

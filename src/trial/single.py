@@ -131,6 +131,10 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
         trainer.add_callback(recompute.compiled_checkpoints())  # once train() has set the checkpoint functions
     elif cfg.trainer.torch_compile == "layers":
         models.compile_layers(trainer.model)  # compiles in the first steps (first_step_s), not here
+    gate = None
+    if cfg.trainer.gradient_checkpointing and cfg.trainer.get("checkpoint_above_tokens"):
+        gate = recompute.TokenGate(trainer.model, cfg.trainer.checkpoint_above_tokens)
+        print(f"trainer.checkpoint_above_tokens={gate.above}: micro-batches of more tokens checkpoint", flush=True)
     ctx.trainer = trainer
     ctx.mark("trainer_init")
     if ctx.startup_profiler is not None:
@@ -141,6 +145,9 @@ def _train(cfg: DictConfig, out_dir: Path, ctx: TrialContext) -> None:
     resume = _checkpointing(cfg, trainer, ctx)
     with models.attention_kernels(cfg):
         trainer.train(resume_from_checkpoint=resume)
+    if gate is not None and gate.checkpointed_frac is not None:
+        ctx.log_metrics({"checkpointed_micro_batch_frac": gate.checkpointed_frac})
+        print(f"checkpointed {gate.gated[0]} of {sum(gate.gated)} micro-batches (the rest kept their activations)")
     if ctx.profiler is not None and ctx.profiler.text:
         ctx.log_text(ctx.profiler.text, "profile.txt")
     if ctx.attempt is not None:  # a single run keeps its adapter: beside its checkpoints, and on its MLflow run

@@ -1,0 +1,94 @@
+"""Speed read alone, more than once (issue 46, src/sweep/timing.py): on a GPU, before the soak, the reference and the
+finalists the soak would take train again alone on the card, round-robin, `timing_repeats` times; the ranking reads
+their medians and the report quotes each with its spread and its speed against the reference. The second stage's
+settings run alone on their card too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from omegaconf import OmegaConf
+
+from src.record import Outcome, timed_key
+from src.report.recommendation import same_model_words
+from src.report.text import read_how
+from src.sweep import timing
+from src.sweep.slots import Slot
+from tests.test_same_model_sweep import _load, _Store, _study
+
+
+class _Runs:
+    def __init__(self) -> None:
+        self.made: list[tuple[int, int, str]] = []
+
+    def timed(self, number: int, repeat: int, slot: str) -> str:
+        self.made.append((number, repeat, slot))
+        return f"run-{number}-{repeat}"
+
+
+def test_the_reference_and_the_finalists_are_timed_alone_round_robin_and_ranked_by_their_medians(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    storage = f"sqlite:///{tmp_path}/speed.db"
+    # the recipe (the reference), and two finalists at its 2 rows per step whose map readings were on a shared card
+    _study(storage, [(1, 2, 1000.0, []), (2, 1, 1500.0, []), (1, 2, 1400.0, ["model.attn_implementation=sdpa"])])
+    study = optuna.load_study(study_name="speed", storage=storage)
+    # alone, trial 2 is the faster one: 1,900 against trial 1's 1,700 (the map's shared card had them the other way)
+    readings = {0: [1100.0, 1000.0, 1050.0], 1: [1700.0, 1650.0, 1750.0], 2: [1900.0, 2000.0, 1850.0]}
+    seen: list[tuple[str, bool, list[str]]] = []
+
+    def launch(runs: Any, sweeper: Any, slot: Slot, label: str, overrides: list[str], *args: Any, **kw: Any) -> Any:
+        seen.append((label, kw.get("alone", False), overrides))
+        number, repeat = (int(x) for x in label.removeprefix("timed-").split("."))
+        return Outcome("ok", {"tokens_per_s": readings[number][repeat - 1], "peak_vram_reserved_gib": 8.0})
+
+    monkeypatch.setattr(timing, "launch", launch)
+    monkeypatch.setattr(timing, "devices", lambda sweeper: [0])
+    sweeper = OmegaConf.create({"timing_repeats": 3, "soak_top_k": 2})
+    slots = [Slot("cuda0#0", {"CUDA_VISIBLE_DEVICES": "0"}), Slot("cuda0#1", {"CUDA_VISIBLE_DEVICES": "0"})]
+    runs = _Runs()
+    done = timing.finalists(study, _Store(), lambda: _load(tmp_path), sweeper, slots, ["trainer=probe"], runs, 24.0)
+
+    order = [label for label, *_ in seen]
+    assert order == ["timed-0.1", "timed-1.1", "timed-2.1", "timed-0.2", "timed-1.2", "timed-2.2",
+                     "timed-0.3", "timed-1.3", "timed-2.3"], "round-robin, the reference first"  # fmt: skip
+    assert all(alone for _, alone, _ in seen), "each run holds the card alone"
+    assert seen[2][2][0] == "trainer=probe" and "model.attn_implementation=sdpa" in seen[2][2], "as its trial ran"
+    assert {slot for *_, slot in runs.made} == {"cuda0"}, "recorded on the card, not on a share of it"
+    assert [d["trial"] for d in done] == [0, 1, 2]
+    timed = study.user_attrs[timed_key(2)]
+    assert (timed["tokens_per_s"], timed["tokens_per_s_min"], timed["tokens_per_s_max"]) == (1900.0, 1850.0, 2000.0)
+    assert timed["runs"] == timed["finished"] == 3 and timed["alone"]
+
+    sweep = _load(tmp_path)
+    assert [r.number for r in sweep.ranked()] == [2, 1, 0], "ranked by the medians read alone"
+    row = sweep.rows[2]
+    assert read_how(sweep, row) == " (the median of 3 runs alone on its card: 1,850-2,000)"
+    row.same_model = {"passed": True, "max_loss_diff": 1e-3, "adapter_rel_diff": 0.01, "steps": 4, "reference": 0,
+                      "tolerance": {"max_loss_diff": 0.01, "adapter_rel_diff": 0.05}}  # fmt: skip
+    assert "at 1.81× its speed (medians of runs alone: 1,900 against 1,050 tokens/s)" in same_model_words(sweep, row)
+    assert "timing: trial 2: median 1,900 tokens/s over 3 run(s) alone" in capsys.readouterr().out
+    assert timing.finalists(study, _Store(), lambda: _load(tmp_path), sweeper, slots, [], runs, 24.0) == [], "once"
+
+
+def test_no_timing_on_a_cpu_or_when_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = f"sqlite:///{tmp_path}/speed.db"
+    _study(storage, [(1, 2, 1000.0, []), (2, 1, 1500.0, [])])
+    study = optuna.load_study(study_name="speed", storage=storage)
+    monkeypatch.setattr(timing, "launch", lambda *a, **k: pytest.fail("launched"))
+    args = (study, _Store(), lambda: _load(tmp_path))
+    cpu = OmegaConf.create({"timing_repeats": 3, "soak_top_k": 2, "devices": []})
+    assert timing.finalists(*args, cpu, [Slot("cpu0", {})], [], _Runs(), 24.0) == []
+    monkeypatch.setattr(timing, "devices", lambda sweeper: [0])
+    off = OmegaConf.create({"timing_repeats": 0, "soak_top_k": 2})
+    assert timing.finalists(*args, off, [Slot("cuda0", {})], [], _Runs(), 24.0) == []
+
+
+def test_a_setting_whose_runs_all_fail_says_why_and_keeps_its_map_reading() -> None:
+    timed = timing.summary([{"failed": "oom"}, {"failed": "oom"}])
+    assert timed["finished"] == 0 and timed["why"] == "no run finished: oom, oom" and "tokens_per_s" not in timed
+    one = timing.summary([{"tokens_per_s": 10.0, "mfu_standard": 0.1}, {"failed": "oom"}])
+    assert (one["tokens_per_s"], one["finished"], one["runs"], one["mfu_standard"]) == (10.0, 1, 2, 0.1)
