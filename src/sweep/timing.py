@@ -2,9 +2,10 @@
 reading of a 1 k-token step spreads by up to 30% (the host sets its pace): neither is a figure to choose the
 production setting by. So on a GPU, after the same-model check and before the soak, the reference and the finalists
 the soak would take train again as their map trial did, each alone on its card (no other trial of the sweep runs
-there), `hydra.sweeper.timing_repeats` times, round-robin (a drift of the card meets every setting alike). Their
-tokens/s, median, min and max, and MFU go on the study (`sweep.timed.<trial>`); the ranking then reads the median
-where it exists (src/study.py `Sweep.score`), and the report quotes it with its spread.
+there), until each has `hydra.sweeper.timing_repeats` readings (a second-stage trial ran alone: its own reading is
+one), round-robin (a drift of the card meets every setting alike). Their tokens/s, median, min and max, and MFU go
+on the study (`sweep.timed.<trial>`); the ranking then reads the median where it exists (src/study.py
+`Sweep.score`), and the report quotes it with its spread.
 
 Each run is a trial process launched as every trial is (src/sweep/launch.py), with an MLflow run of its own
 (`timed-trial-NNN.k`, `sweep.role=timing`) under the sweep's parent run.
@@ -65,11 +66,11 @@ def finalists(
     if not rows or stopping.is_set():
         return []
     names = ", ".join(str(r.number) for r in rows)
-    print(f"timing: trial(s) {names} alone on the card, {repeats} runs each, round-robin", flush=True)
-    speeds: dict[int, list[dict[str, float]]] = {r.number: [] for r in rows}
+    print(f"timing: trial(s) {names} alone on the card, {repeats} readings each, round-robin", flush=True)
+    speeds = {r.number: own_reading(r) for r in rows}  # a trial that ran alone (the second stage's) read once
     slot = slots[0]
     for k in range(repeats):
-        for row in rows:
+        for row in (r for r in rows if len(speeds[r.number]) < repeats):
             if stopping.is_set():
                 return []
             folder = sweep.study_dir / "timing" / f"{row.number:03d}.{k + 1}"
@@ -104,8 +105,19 @@ def time_once(
     outcome = launch(runs, sweeper, slot, label, overrides, log_dir, run_id, budget, None, ledger, alone=True)
     if outcome.failure:
         return {"failed": outcome.failure["kind"], "seconds": time.time() - started}
-    keys = ("tokens_per_s", "mfu_standard", "peak_vram_reserved_gib")
-    return {k: float(outcome.metrics[k]) for k in keys if outcome.metrics.get(k) is not None}
+    return {k: float(outcome.metrics[k]) for k in READ if outcome.metrics.get(k) is not None}
+
+
+def own_reading(row: TrialRow) -> list[dict[str, float]]:
+    """The trial's own reading where it ran alone on a card (its slot a card, not a share of one): one of its
+    timing's readings, taken the same way (the probe's steps)."""
+    slot = row.slot or ""
+    if not (slot.startswith("cuda") and "#" not in slot and row.metrics.get("tokens_per_s")):
+        return []
+    return [{k: row.metrics[k] for k in READ if row.metrics.get(k) is not None}]
+
+
+READ = ("tokens_per_s", "mfu_standard", "peak_vram_reserved_gib")
 
 
 def summary(readings: list[dict[str, float]]) -> dict[str, Any]:
