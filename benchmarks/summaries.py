@@ -8,6 +8,7 @@ left (benchmarks/harness.py), and what a definition prepares before its commands
 - memory_judge: the memory model fitted to earlier random sets and judged on a fresh one it never saw (issue 29).
 - same_model_calibration: src.same_model's figures for pairs known to train the same model and one known not to.
 - device_peak: a trial's recorded device peak beside nvidia-smi's per-process maximum (issue 47, finding 10).
+- same_model_speed: the journey's promotion against its reference, both timed alone in the sweep (issue 46).
 """
 
 from __future__ import annotations
@@ -394,3 +395,48 @@ def device_peak(record: dict, run: Any) -> dict:
         "nvidia_smi_max_gib_by_pid": found.get("nvidia_smi_max_gib_by_pid"),
         "recorded_minus_nvidia_smi_gib": None if recorded is None or seen is None else recorded - seen,
     }
+
+
+def same_model_speed(record: dict, run: Any) -> dict:
+    """The sweep's reference (src/sweep/faster.py) and the setting it recommended and promotion took, each as timed
+    alone in the sweep (src/sweep/timing.py: median, min, max of its readings), their rows per optimizer step, the
+    speed-up, the same-model verdict on the promoted setting and the GPU minutes of the commands."""
+    from src.study import load
+    from src.sweep import faster
+
+    sweep = load(run.vars["study"], run.root / "sweeps", tracking_uri=_store(run))
+    reference, promoted = faster.reference(sweep), sweep.recommended()
+
+    def arm(row: Any) -> dict | None:
+        if row is None:
+            return None
+        timed = row.timed
+        return {
+            "trial": row.number,
+            "overrides": faster.overrides(row),
+            "tokens_per_s": None if not timed.get("tokens_per_s") else
+            {"median": timed["tokens_per_s"], "min": timed["tokens_per_s_min"], "max": timed["tokens_per_s_max"]},
+            "readings": timed.get("readings"),
+            "alone": bool(timed.get("alone")),
+            "mfu_standard": timed.get("mfu_standard") or row.metrics.get("mfu_standard"),
+            "peak_vram_reserved_gib": row.metrics.get("peak_vram_reserved_gib"),
+            "rows_per_optimizer_step": sweep.rows_per_step(row),
+            "soak": sweep.soaks.get(row.number, {}).get("status"),
+        }  # fmt: skip
+
+    ref, best = arm(reference), arm(promoted)
+    speedup = None
+    if ref and best and ref["tokens_per_s"] and best["tokens_per_s"]:
+        speedup = best["tokens_per_s"]["median"] / ref["tokens_per_s"]["median"]
+    check = promoted.same_model if promoted is not None else {}
+    rows = {r["name"]: r for r in record.get("rows", [])}
+    return {
+        "reference": ref,
+        "promoted": best,
+        "speedup": speedup,
+        "same_rows_per_optimizer_step": bool(ref and best and ref["rows_per_optimizer_step"] == best["rows_per_optimizer_step"]),
+        "same_model": {k: check.get(k) for k in ("max_loss_diff", "adapter_rel_diff", "tolerance", "passed", "steps")}
+        if check else ("the reference itself" if ref and best and ref["trial"] == best["trial"] else None),
+        "promoted_exit_code": rows.get("promote", {}).get("exit_code"),
+        "gpu_minutes": sum(r.get("wall_s", 0) for r in record.get("rows", [])) / 60,
+    }  # fmt: skip

@@ -1,4 +1,4 @@
-"""Speed side by side (benchmarks/suites/peers.yaml, same_model_speed.yaml; benchmarks/peer_arm.py, the `arms`
+"""Speed side by side (benchmarks/suites/peers.yaml, speed_levers.yaml; benchmarks/peer_arm.py, the `arms`
 summary): what runs on a CPU. The GPU runs themselves are benchmarks; here: a peer's FLOPs are the project's own
 formula (src/measure/flops.py), the peer measures a real (tiny) training as a trial does, and the summary sets each
 setting's repeats side by side, a peer's the same way as a trial's, with the same-model verdict.

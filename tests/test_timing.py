@@ -106,3 +106,31 @@ def test_a_setting_whose_runs_all_fail_says_why_and_keeps_its_map_reading() -> N
     assert timed["finished"] == 0 and timed["why"] == "no run finished: oom, oom" and "tokens_per_s" not in timed
     one = timing.summary([{"tokens_per_s": 10.0, "mfu_standard": 0.1}, {"failed": "oom"}])
     assert (one["tokens_per_s"], one["finished"], one["runs"], one["mfu_standard"]) == (10.0, 1, 2, 0.1)
+
+
+def test_the_benchmark_quotes_the_promotion_against_its_reference_both_timed_alone(tmp_path: Path) -> None:
+    """benchmarks/suites/same_model_speed.yaml's summary, from a study as the sweep leaves it: the reference (the
+    stable setting at the recipe's split), the recommended setting, each with its readings alone, the speed-up at
+    equal rows per optimizer step and the check's verdict."""
+    from benchmarks import summaries
+    from benchmarks.harness import Run
+
+    folder = tmp_path / "sweeps" / "speed"
+    folder.mkdir(parents=True)
+    storage = f"sqlite:///{folder}/optuna.db"
+    _study(storage, [(1, 2, 1000.0, []), (2, 1, 1500.0, [])])
+    study = optuna.load_study(study_name="speed", storage=storage)
+    check = {"passed": True, "max_loss_diff": 2e-3, "adapter_rel_diff": 0.03, "steps": 4, "reference": 0,
+             "tolerance": {"max_loss_diff": 0.01, "adapter_rel_diff": 0.1}}  # fmt: skip
+    study.set_user_attr("sweep.same_model.1", check)
+    for n, rates in ((0, [990.0, 1000.0, 1010.0]), (1, [2400.0, 2500.0, 2600.0])):
+        study.set_user_attr(timed_key(n), timing.summary([{"tokens_per_s": r} for r in rates]))
+    run = Run("same_model_speed", {}, {"study": "speed"}, tmp_path, tmp_path / "out.json")
+    record = {"rows": [{"name": "sweep", "wall_s": 900.0}, {"name": "promote", "exit_code": 0, "wall_s": 12.0}]}
+    s = summaries.same_model_speed(record, run)
+    assert (s["reference"]["trial"], s["promoted"]["trial"]) == (0, 1)
+    assert s["promoted"]["tokens_per_s"] == {"median": 2500.0, "min": 2400.0, "max": 2600.0}
+    assert s["reference"]["readings"] == [990.0, 1000.0, 1010.0] and s["promoted"]["alone"]
+    assert s["speedup"] == pytest.approx(2.5) and s["same_rows_per_optimizer_step"]
+    assert s["same_model"]["passed"] and s["same_model"]["adapter_rel_diff"] == 0.03
+    assert s["gpu_minutes"] == pytest.approx(15.2)
