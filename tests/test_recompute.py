@@ -4,6 +4,7 @@ projection's product kept from the forward instead of computed again in the back
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,12 @@ class _Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@functools.cache
 def _train_steps(recompute: str, compiled: bool = False, steps: int = 3, early_stop: bool = True) -> dict[str, Any]:
     """A few AdamW steps of the tiny 4-bit Llama with LoRA (dropout on) on one fixed batch: the losses, the LoRA
-    gradients of the last step, the LoRA weights after it, and the matmuls each backward ran."""
+    gradients of the last step, the LoRA weights after it, and the matmuls each backward ran. Seeded throughout, so
+    the same arguments train the same steps: once per process (full recompute is every test's reference; compiled,
+    ~10 s of compiling), read and never changed by the tests."""
     import torch._dynamo
 
     attention = "sdpa" if compiled else "eager"  # the compiled setting's, as in tests/test_trial.py
