@@ -13,8 +13,10 @@ trl at the same setting, on the project's model and data, capped and measured as
   compute))` + `SFTTrainer(peft_config=LoraConfig(...))`, as trl's own sft script builds it (SDPA attention, trl's
   defaults: gradient checkpointing on).
 Unsloth pins trl<=1.15 and datasets<5: with --wheels (benchmarks/unsloth_wheels.sh fills .whl_unsloth) they are
-installed into --site, put first on the path, ahead of the project's stack. Both: the same LoRA (rank, alpha, the seven projections), SFTConfig(packing=True, max_length, batch, accumulation,
-optim adamw_8bit as Unsloth's notebooks), the data as the project's trials read it (data=clinical_notes, its chats).
+installed into --site, put first on the path, ahead of the project's stack. Both: the same LoRA (rank, alpha, the
+seven projections), SFTConfig(packing=True unless --no-packing, max_length, batch, accumulation, optim adamw_8bit as
+Unsloth's notebooks unless --optim), the data as the project's trials read it (data=clinical_notes, its chats); the
+attention backend is recorded (`attention`: what the model says, Unsloth's fast-kernel flags, the kernel that ran).
 
 Measured as a trial: the allocator capped to the budget before the model loads (src/measure/memory.cap_to_budget),
 src/measure's Measurements callback (synchronized step times, the trainer's non-padding tokens, NVML's peak) and,
@@ -102,6 +104,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=3, help="optimizer steps not measured")
     p.add_argument("--stop-after-s", type=float, default=None, help="stop training this long after the start")
     p.add_argument("--checkpoint-skip-layers", default="0", help="Unsloth's get_peft_model option ('auto': planned)")
+    p.add_argument("--no-packing", action="store_true", help="padded rows, as the user's recipe (SFTConfig packing)")
+    p.add_argument("--optim", default=None, help="the trainer's optimizer (default: adamw_8bit, Unsloth's notebooks)")
+    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--attention", default=None, help="peft: the model's attn_implementation (default: sdpa)")
     p.add_argument("--no-4bit", action="store_true", help="bf16 weights (a CPU smoke run: 4-bit needs CUDA there)")
     p.add_argument("--output-dir", default="/tmp/peer_arm_trainer")
     p.add_argument("--wheels", default=None, help="Unsloth's wheels, installed into --site first (unsloth_wheels.sh)")
@@ -157,7 +163,7 @@ def train(args: argparse.Namespace, record: dict, state: dict) -> None:
     import torch
 
     from src.config import compose
-    from src.measure import Measurements
+    from src.measure import AttentionProbe, Measurements
     from src.measure.memory import GIB, cap_to_budget
     from src.models import ensure_built
 
@@ -179,10 +185,26 @@ def train(args: argparse.Namespace, record: dict, state: dict) -> None:
         record["peak_vram_reserved_after_load_gib"] = torch.cuda.max_memory_reserved() / GIB
     trainer = build_trainer(args, cfg, model, tokenizer, trainer_kwargs)
     counter = state["counter"] = useful_work(args, record, state)
+    probe = state["attention"] = AttentionProbe(at_step=max(1, args.warmup_steps))
+    record["attention"] = attention_backend(model)
+    trainer.add_callback(probe)
     trainer.add_callback(meas)
     trainer.add_callback(counter)
     record["trainer_s"] = time.time() - t - record["load_s"]
     trainer.train()
+
+
+def attention_backend(model: Any) -> dict[str, Any]:
+    """What the model says it attends with (transformers' attn_implementation) and, under Unsloth, which fast kernels
+    it found (its own flags); the kernel that ran is read at a warm-up step (src/measure AttentionProbe)."""
+    found: dict[str, Any] = {"attn_implementation": getattr(model.config, "_attn_implementation", None)}
+    try:
+        from unsloth.models import _utils
+
+        found |= {k: bool(getattr(_utils, k)) for k in ("HAS_FLASH_ATTENTION", "HAS_XFORMERS") if hasattr(_utils, k)}
+    except ImportError:
+        pass
+    return found
 
 
 def load_unsloth(args: argparse.Namespace, cfg: Any) -> tuple[Any, Any, dict]:
@@ -229,7 +251,11 @@ def load_peft(args: argparse.Namespace, cfg: Any) -> tuple[Any, Any, dict]:
         )
     device = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
     model = AutoModelForCausalLM.from_pretrained(
-        str(cfg.model.path), quantization_config=quantization, dtype=torch.bfloat16, device_map=device
+        str(cfg.model.path),
+        quantization_config=quantization,
+        dtype=torch.bfloat16,
+        device_map=device,
+        attn_implementation=args.attention or "sdpa",
     )
     model.config.use_cache = False
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.path))
@@ -251,15 +277,15 @@ def build_trainer(args: argparse.Namespace, cfg: Any, model: Any, tokenizer: Any
     config = SFTConfig(
         output_dir=args.output_dir,
         max_length=args.max_seq_length,
-        packing=True,
+        packing=not args.no_packing,
         per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.accumulation,
         max_steps=args.max_steps,
         warmup_steps=0,
-        learning_rate=2e-4,
+        learning_rate=args.learning_rate,
         weight_decay=0.01,
         lr_scheduler_type="linear",
-        optim="adamw_8bit" if torch.cuda.is_available() else "adamw_torch",
+        optim=(args.optim or "adamw_8bit") if torch.cuda.is_available() else "adamw_torch",
         bf16=True,
         logging_steps=1,
         seed=3407,
@@ -365,6 +391,9 @@ def finish(args: argparse.Namespace, record: dict, state: dict, final: bool = Tr
         tokens = sum(s["tokens"] for s in measured)
         if tokens and all("flops" in s for s in measured):
             record["flops_per_token"] = sum(s["flops"] for s in measured) / tokens
+        probe = state.get("attention")
+        if probe is not None and probe.kernels:
+            record.setdefault("attention", {})["kernels_run"] = sorted(probe.kernels)
         if final:
             summary = meas.summary()
             record.update({k: v for k, v in summary.items() if k.startswith(("peak_", "alloc_"))})

@@ -9,6 +9,7 @@ left (benchmarks/harness.py), and what a definition prepares before its commands
 - same_model_calibration: src.same_model's figures for pairs known to train the same model and one known not to.
 - device_peak: a trial's recorded device peak beside nvidia-smi's per-process maximum (issue 47, finding 10).
 - same_model_speed: the journey's promotion against its reference, both timed alone in the sweep (issue 46).
+- unsloth_fair: the project beside Unsloth at both optimisations, backends recorded, ABBA repeats (issue 46).
 """
 
 from __future__ import annotations
@@ -440,3 +441,23 @@ def same_model_speed(record: dict, run: Any) -> dict:
         "promoted_exit_code": rows.get("promote", {}).get("exit_code"),
         "gpu_minutes": sum(r.get("wall_s", 0) for r in record.get("rows", [])) / 60,
     }  # fmt: skip
+
+
+def unsloth_fair(record: dict, run: Any) -> dict:
+    """`arms` at each optimisation (project_<o>, unsloth_<o>), `vs_unsloth` = the project's median tokens/s over
+    Unsloth's, and each arm's attention backend as recorded (the project: the kernel its trial saw run; Unsloth:
+    transformers' attn_implementation, its fast-kernel flags and the kernel that ran)."""
+    pooled = arms(record, run)["settings"]
+    backends: dict[str, list] = {}
+    for row in record.get("rows", []):
+        found = row.get("result") or {}
+        said = found.get("attention") if "attention" in found else found.get("attention_kernel")
+        if row.get("arm") and said is not None and said not in backends.setdefault(row["arm"], []):
+            backends[row["arm"]].append(said)
+    out: dict[str, Any] = {"settings": pooled, "attention": backends, "vs_unsloth": {}}
+    for optimisation in ("recipe", "packed"):
+        mine, theirs = pooled.get(f"project_{optimisation}", {}), pooled.get(f"unsloth_{optimisation}", {})
+        if mine.get("tokens_per_s") and theirs.get("tokens_per_s"):
+            out["vs_unsloth"][optimisation] = mine["tokens_per_s"]["median"] / theirs["tokens_per_s"]["median"]
+    out["gpu_minutes"] = sum(r.get("wall_s", 0) for r in record.get("rows", [])) / 60
+    return out
