@@ -134,7 +134,8 @@ def arms(record: dict, run: Any) -> dict:
     checked = next((r.get("output") for r in record.get("rows", []) if r["name"] == "same_model"), None)
     if checked is not None:
         summary["same_model"] = {
-            k: checked.get(k) for k in ("passed", "max_loss_diff", "adapter_rel_diff", "tolerance", "why")
+            k: checked.get(k)
+            for k in ("passed", "max_loss_diff", "max_loss_rel_diff", "adapter_rel_diff", "tolerance", "why")
         }
     started = [r for r in record.get("rows", []) if "wall_s" in r]
     summary["gpu_minutes"] = sum(r["wall_s"] for r in started) / 60
@@ -436,7 +437,8 @@ def same_model_speed(record: dict, run: Any) -> dict:
         "promoted": best,
         "speedup": speedup,
         "same_rows_per_optimizer_step": bool(ref and best and ref["rows_per_optimizer_step"] == best["rows_per_optimizer_step"]),
-        "same_model": {k: check.get(k) for k in ("max_loss_diff", "adapter_rel_diff", "tolerance", "passed", "steps")}
+        "same_model": {k: check.get(k) for k in ("max_loss_diff", "max_loss_rel_diff", "adapter_rel_diff", "tolerance",
+                                                 "passed", "steps")}
         if check else ("the reference itself" if ref and best and ref["trial"] == best["trial"] else None),
         "promoted_exit_code": rows.get("promote", {}).get("exit_code"),
         "gpu_minutes": sum(r.get("wall_s", 0) for r in record.get("rows", [])) / 60,

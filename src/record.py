@@ -57,7 +57,8 @@ LEVER_PARAM = "lever"
 RECOMMENDED = "sweep.recommended"
 RECOMMEND_PARAM = "recommendation"
 # A finalist checked against the reference (src/sweep/faster.py), a study user attr per trial ("sweep.same_model.7"):
-# {"passed", "max_loss_diff", "adapter_rel_diff", "tolerance", "reference": its trial number, "steps"}; a finalist
+# {"passed", "max_loss_diff", "max_loss_rel_diff", "adapter_rel_diff", "tolerance", "reference": its trial number,
+# "steps", "losses"}; a finalist
 # that failed it is never ranked or promoted
 SAME_MODEL = "sweep.same_model"
 # Study user attr: the optimizer step of the sweep's fixed config ({batch key: value, accumulation key: value}), for

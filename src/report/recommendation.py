@@ -79,7 +79,7 @@ def same_model_words(sweep: Sweep, row: TrialRow) -> str:
     tol = check["tolerance"]
     said = (
         f"; it trains the same model as trial {check['reference']} (checked over {check['steps']} optimizer steps on "
-        f"the same rows: losses within {check['max_loss_diff']:.1e} of its, tolerance {tol['max_loss_diff']:g}; "
+        f"the same rows: losses within {_loss(check)} of its, tolerance {_loss(tol)}; "
         f"adapter within {check['adapter_rel_diff']:.2%}, tolerance {tol['adapter_rel_diff']:.0%})"
     )
     ref = next((r for r in sweep.rows if r.number == check["reference"]), None)
@@ -89,6 +89,13 @@ def same_model_words(sweep: Sweep, row: TrialRow) -> str:
             f"{row.timed['tokens_per_s']:,.0f} against {ref.timed['tokens_per_s']:,.0f} tokens/s)"
         )
     return said
+
+
+def _loss(said: dict) -> str:
+    """A loss difference or its tolerance: a share of the loss (today's check), or absolute (a study checked before)."""
+    if "max_loss_rel_diff" in said:
+        return f"{said['max_loss_rel_diff']:.2%}"
+    return f"{said['max_loss_diff']:.1e}"
 
 
 def _soak(soak: dict) -> str:

@@ -269,6 +269,7 @@ def _diffs(verdict: dict[str, Any]) -> str:
         return verdict.get("why", "")
     tol = verdict["tolerance"]
     return (
-        f"largest loss difference {verdict['max_loss_diff']:.2e} (tolerance {tol['max_loss_diff']:g}), adapter "
+        f"largest loss difference {verdict['max_loss_diff']:.2e}, {verdict['max_loss_rel_diff']:.2%} of the loss "
+        f"(tolerance {tol['max_loss_rel_diff']:.0%}), adapter "
         f"difference {verdict['adapter_rel_diff']:.2%} (tolerance {tol['adapter_rel_diff']:.0%})"
     )
