@@ -121,6 +121,34 @@ def test_the_peak_is_trainings_not_the_start_ups_data_nor_what_follows_training(
     assert host.peak_gib() == max(steps), "what follows training is not a step's"
 
 
+@CPU_BUDGET
+def test_a_micro_step_laid_in_memory_the_heap_already_freed_is_still_counted() -> None:
+    """glibc serves a block from the free memory its heap holds before it maps a new one: in a process whose earlier
+    work freed large blocks (its start-up, an earlier test), a micro-step's 10 MiB read as 5.7 MiB and then as nothing
+    (CI, 2026-12-08). The window's start gives that memory back (malloc_trim), so the step's pages are counted."""
+    import ctypes
+
+    earlier = [torch.ones(int(0.02 * GIB) // 4) for _ in range(3)]  # freed: glibc's threshold rises past them
+    small = [bytearray(200_000) for _ in range(200)]  # small blocks the heap keeps
+    del earlier
+    ctypes.CDLL(None).mallopt(memory.M_MMAP_THRESHOLD, memory.MMAP_THRESHOLD_AFTER)  # as a released budget leaves it
+    freed = [bytearray(12 * 1024**2) for _ in range(2)]  # heap blocks (under the threshold), touched, then freed
+    above = bytearray(100)
+    del freed
+    meas = SimpleNamespace(host=None)
+    with memory.budget(1.0, meas):
+        host = meas.host
+        host.begin_training(torch.nn.Linear(4, 4))
+        steps = []
+        for _ in range(2):
+            host.sample()
+            activations = torch.ones(int(0.01 * GIB) // 4)
+            del activations
+            steps.append(host.step_peak())
+    del above, small
+    assert all(0.009 < s < 0.012 for s in steps), steps
+
+
 class _History:
     """An MLflow client that holds one run's series."""
 
