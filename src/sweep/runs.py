@@ -95,35 +95,17 @@ class SweepRuns:
 
     def soak(self, number: int, slot: str) -> str:
         """The run of trial `number`'s soak (src/sweep/soak.py), under the sweep's parent run."""
-        run = self.client.create_run(
-            self.experiment_id,
-            run_name=f"soak-trial-{number:03d}",
-            tags={
-                record.PARENT_RUN: self.parent,
-                record.OPTUNA_STUDY: self.study_name,
-                record.SOAK_OF_TRIAL: str(number),
-                record.ROLE: "soak",
-                KIND: "soak",
-                record.SLOT: slot,
-            },
-        )
-        return run.info.run_id
+        return self._of_trial(f"soak-trial-{number:03d}", record.SOAK_OF_TRIAL, number, "soak", slot)
 
     def timed(self, number: int, repeat: int, slot: str) -> str:
         """The run of trial `number`'s timing run `repeat` (src/sweep/timing.py), under the sweep's parent run."""
-        run = self.client.create_run(
-            self.experiment_id,
-            run_name=f"timed-trial-{number:03d}.{repeat}",
-            tags={
-                record.PARENT_RUN: self.parent,
-                record.OPTUNA_STUDY: self.study_name,
-                record.TIMED_OF_TRIAL: str(number),
-                record.ROLE: "timing",
-                KIND: "timing",
-                record.SLOT: slot,
-            },
-        )
-        return run.info.run_id
+        return self._of_trial(f"timed-trial-{number:03d}.{repeat}", record.TIMED_OF_TRIAL, number, "timing", slot)
+
+    def _of_trial(self, name: str, of_tag: str, number: int, role: str, slot: str) -> str:
+        """A run the sweep makes for trial `number` beyond its own (a soak, a timing run): its role as `run.kind`."""
+        tags = {record.PARENT_RUN: self.parent, record.OPTUNA_STUDY: self.study_name, of_tag: str(number),
+                record.ROLE: role, KIND: role, record.SLOT: slot}  # fmt: skip
+        return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
 
     def mark_skipped(
         self, run_id: str, number: int, params: dict[str, Any], why: str, because_of: int | None = None
