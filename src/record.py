@@ -67,6 +67,11 @@ STEP_DEFAULTS = "sweep.step_defaults"
 # A trial the second stage queued (src/sweep/faster.py: the reference with same-model levers), True; the study keeps
 # what it queued and against which reference under the same name
 FASTER = "sweep.faster"
+# A second-stage trial's Optuna param (as LEVER_PARAM, over the levers the second stage queued: one distribution for
+# all of them)
+FASTER_PARAM = "same_model_lever"
+# The params that name what a stage added to the recipe: not knobs (the report, the soak and promotion read LEVER)
+STAGE_PARAMS = (LEVER_PARAM, RECOMMEND_PARAM, FASTER_PARAM)
 
 
 def same_model_key(number: int) -> str:

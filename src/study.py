@@ -373,7 +373,7 @@ def load(
 
 
 # Optuna params that are not knobs: a lever or recommendation trial's change (read from LEVER instead)
-_NOT_KNOBS = (record.LEVER_PARAM, record.RECOMMEND_PARAM)
+_NOT_KNOBS = record.STAGE_PARAMS
 
 
 def _row(t: FrozenTrial, margin: float, retried: bool) -> TrialRow:

@@ -191,3 +191,53 @@ def test_where_the_recipe_fails_the_reference_is_the_stable_setting_with_its_spl
     sweep.rows[0].verdict = "failed"
     assert faster.reference(sweep).number == 1
     assert [r.number for r in faster.to_check(sweep, 2)[1]] == [2], "the faster split is checked against it"
+
+
+def test_each_second_stage_trial_is_a_setting_of_its_own_for_optunas_tools(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second stage's trials run the reference's params with levers on top: each carries its levers as an Optuna
+    param (record.FASTER_PARAM, one distribution over what the stage queued), so `optuna best-trials` and the
+    dashboard never read them as the reference's setting. (The stage's second trial used to be refused that param:
+    "CategoricalDistribution does not support dynamic value space", seen in a rehearsal of the GPU journey.)"""
+    from src import record
+    from src.sweep.process import Outcome
+    from tests.test_recipe import _fake_sweep
+
+    monkeypatch.setattr("src.sweep.faster.devices", lambda sweeper: [0])  # the stand-in trials are a card's
+    monkeypatch.setattr("src.sweep.engine.devices", lambda sweeper: [0])
+
+    def process(overrides: list[str], log_dir: Path, env: dict, sweeper, heartbeat=None) -> Outcome:
+        speed = 1000.0 + 100.0 * sum("sdpa" in o or "no_down" in o or "=2" in o for o in overrides)
+        return Outcome("ok", metrics={"tokens_per_s": speed, "peak_vram_reserved_gib": 8.0, "vram_budget_gib": 24.0})
+
+    _fake_sweep(
+        monkeypatch,
+        "faster",
+        process,
+        ["data.max_seq_length=choice(256,512)"],
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.enqueue_trials=[{data.max_seq_length:512}]",
+        "trainer.gradient_checkpointing=true",
+        f"{BATCH}=1",
+        f"{ACC}=2",
+        "hydra.sweeper.speed_trials=3",
+        "hydra.sweeper.same_model_steps=0",  # trained for real above
+        "hydra.sweeper.timing_repeats=0",
+        "hydra.sweeper.soak_top_k=0",
+    )
+    study = optuna.load_study(study_name="faster", storage=f"sqlite:///{root}/sweeps/faster/optuna.db")
+    stage = [t for t in study.get_trials() if t.user_attrs.get(record.FASTER)]
+    assert len(stage) == 3, [t.user_attrs for t in study.get_trials()]
+    reference = study.trials[study.user_attrs[record.FASTER]["reference"]]
+    for t in stage:
+        lever = json.loads(t.user_attrs[record.LEVER])
+        assert t.params == {**reference.params, record.FASTER_PARAM: ", ".join(lever)}
+    assert len({json.dumps(t.params, sort_keys=True) for t in [reference, *stage]}) == 4, "four settings"
+    assert "dynamic value space" not in caplog.text
+    sweep = _load_named(root, "faster")
+    assert all(not {record.FASTER_PARAM} & set(sweep.row(t.number).params) for t in stage), "not a knob"
+
+
+def _load_named(root: Path, study: str) -> Sweep:
+    return report.load(study, root / "sweeps")

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from src.record import Outcome, timed_key
 from src.report.recommendation import same_model_words
-from src.report.text import read_how
+from src.report.text import _opening, best_line, read_how
 from src.sweep import timing
 from src.sweep.slots import Slot
 from tests.test_same_model_sweep import SPACE, _load, _Store, _study
@@ -75,6 +75,10 @@ def test_the_reference_and_the_finalists_are_timed_alone_round_robin_and_ranked_
                       "steps": 4, "reference": 0, "tolerance": {"max_loss_rel_diff": 0.01, "adapter_rel_diff": 0.05}}  # fmt: skip
     assert "at 1.76× its speed (medians of runs alone: 1,850 against 1,050 tokens/s)" in same_model_words(sweep, row)
     assert "timing: trial 2: median 1,850 tokens/s over 3 run(s) alone" in capsys.readouterr().out
+    # the report's headline and the sweep's closing line quote the median too, not the trial's own first reading
+    how = "(the median of 3 runs alone on its card: 1,400-2,000)"
+    assert f"model.attn_implementation=sdpa): 1,850 tokens_per_s {how}, peak" in _opening(sweep)[4]
+    assert best_line(sweep) == f"best stable tokens_per_s within the policies: 1,850 {how} (trial 2)"
     assert timing.finalists(study, _Store(), lambda: _load(tmp_path), sweeper, slots, [], runs, 24.0) == [], "once"
 
 

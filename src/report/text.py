@@ -50,6 +50,18 @@ def read_how(sweep: Sweep, row: TrialRow) -> str:
     return " (read alone on its card)"
 
 
+def best_line(sweep: Sweep) -> str | None:
+    """The sweep's closing line on its best setting, as the report reads it: the first ranked trial (none that
+    trains another model or failed the same-model check) and its objective, the median of its runs alone where the
+    sweep timed it; None where nothing stable is within the policies."""
+    best = sweep.best()
+    if best is None:
+        return None
+    objective = sweep.objectives[0]
+    how = read_how(sweep, best) if objective == "tokens_per_s" else ""
+    return f"best stable {objective} within the policies: {figure(sweep.score(best))}{how} (trial {best.number})"
+
+
 def share(frac: float) -> str:
     """A share as the report words it: "4%", "0.4%", "12.5%"; never "0%" for a share that is not 0."""
     if 0 < frac < 0.0005:
@@ -244,15 +256,17 @@ def _opening(sweep: Sweep) -> list[str]:
     m = best.metrics
     setting = [f"{k}={fmt(best.params[k])}" for k in sweep.knobs if k in best.params] + best.lever
     promote = promote_command(sweep, best)
+    timed = objective == "tokens_per_s" and bool(best.timed.get("tokens_per_s"))
     return [
         *out,
         f"Best stable setting by the study's objective ({objective}, {direction}): **trial {best.number}** "
         f"({', '.join(setting)}): "
-        f"{figure(m[objective]) if objective in m else 'nan'} {objective}, peak reserved {m.get('peak_vram_reserved_gib', 0):.2f} GiB, "
+        f"{figure(sweep.score(best)) if objective in m else 'nan'} {objective}{read_how(sweep, best) if timed else ''}, "
+        f"peak reserved {m.get('peak_vram_reserved_gib', 0):.2f} GiB, "
         f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}"
         + (
             f" ({objective} read on a card shared by up to {shared} trials: see Throughput)"
-            if shared > 1 and objective in SPEED_METRICS
+            if shared > 1 and objective in SPEED_METRICS and not timed
             else ""
         )
         + f". Promote it: `{promote}`"

@@ -212,9 +212,10 @@ class SweepEngine:
                 log.info(line)
         if self.ended:
             print(self.ended)
+        best = None if self.ended or stopping.is_set() else self.best_said()
         print(
             self.tally.summary(
-                self.store.url, self.config.tracking.uri, self.study_dir / "trials", self.report_command()
+                self.store.url, self.config.tracking.uri, self.study_dir / "trials", self.report_command(), best
             )
         )
 
@@ -327,6 +328,17 @@ class SweepEngine:
             return False
         self.tally.start_bar(self.sweeper)
         return True
+
+    def best_said(self) -> str | None:
+        """The closing line's best as the report reads it (report.text.best_line); "" where nothing stable is within
+        the policies; None where the study cannot be read now (the tally's own best is said instead)."""
+        from src.report.text import best_line
+
+        try:
+            return best_line(self.classified()) or ""
+        except Exception as exc:  # noqa: BLE001 - only the closing line: the tally's reading stands in
+            log.debug("the closing line's best from the tally (%s)", exc)
+            return None
 
     def classified(self) -> Any:
         """The study as the report reads it (src/study.py): every trial classified, the stable ones ranked."""

@@ -93,7 +93,7 @@ def queue(
     trials of the recipe with their changes; each with its trial's lever overrides."""
 
     def key(params: dict[str, Any], lever: Any) -> tuple[str, str]:
-        knobs = {k: v for k, v in params.items() if k not in (record.LEVER_PARAM, record.RECOMMEND_PARAM)}
+        knobs = {k: v for k, v in params.items() if k not in record.STAGE_PARAMS}
         return json.dumps(knobs, sort_keys=True, default=str), lever if isinstance(lever, str) else json.dumps(lever)
 
     seen = {key(t.params, t.user_attrs.get(record.LEVER, "[]")) for t in study.get_trials(deepcopy=False)}

@@ -259,7 +259,7 @@ class StudyStore:
     def _retry(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """Queue `trial`'s setting again (`retry_failed_trials`), as what it was queued as: the recipe, a lever or a
         recommendation keeps its mark and its overrides; the retry counts toward `n_trials`, the trial no more."""
-        params = {k: v for k, v in trial.params.items() if k not in (record.LEVER_PARAM, record.RECOMMEND_PARAM)}
+        params = {k: v for k, v in trial.params.items() if k not in record.STAGE_PARAMS}
         kept = {k: trial.user_attrs[k] for k in _QUEUED_AS if k in trial.user_attrs}
         study.enqueue_trial(params, user_attrs={**kept, record.RETRY_OF: trial.number})
         log.warning("trial %d (killed by its sweep) queued again (hydra.sweeper.retry_failed_trials)", trial.number)

@@ -114,13 +114,19 @@ class Tally:
         if self.bar is not None:
             self.bar.close()
 
-    def summary(self, storage_url: str, tracking_uri: str, trials_dir: Any, report: str) -> str:
+    def summary(
+        self, storage_url: str, tracking_uri: str, trials_dir: Any, report: str, best: str | None = None
+    ) -> str:
+        """The sweep's closing lines; `best`: the line that names the best setting as the report reads it ("": none);
+        None: the tally's (the best objective among the stable trials within the policies, as each trial read it)."""
         failed = ", ".join(f"{v} {k[7:]}" for k, v in sorted(self.counts.items()) if k.startswith("failed_"))
         lines = [
             f"\nstudy '{self.study_name}': {self.counts['finished']} trials finished, {self.counts['ok']} ok, "
             f"{self.skipped()}" + (f", failed: {failed}" if failed else "")
         ]
-        if self.best:
+        if best is not None:
+            lines += [best] if best else []
+        elif self.best:
             lines.append(
                 f"best stable {self.objective} within the policies: {figure(self.best[0])} (trial {self.best[1]})"
             )

@@ -180,12 +180,13 @@ class Teller:
         in the storage, not suggested, so no sampler draws it, and samplers that model the params every trial shares
         leave it out."""
         overrides = recipe.lever_overrides(trial)
-        name = record.RECOMMEND_PARAM if trial.user_attrs.get(record.RECOMMENDED) else record.LEVER_PARAM
+        name = _param_name(trial.user_attrs)
         if not overrides or name in trial.params:
             return
         value = record.lever_value(overrides)
-        if name == record.RECOMMEND_PARAM:  # over the study's queued recommendations: one distribution for all
-            queued = (study_attrs(self.store).get(record.RECOMMENDATION) or {}).get("levers", [])
+        if name != record.LEVER_PARAM:  # over what the stage queued (a study attr): one distribution for all
+            attr, key = _QUEUED[name]
+            queued = (study_attrs(self.store).get(attr) or {}).get(key, [])
             choices = sorted({record.lever_value(c) for c in queued})
         else:
             params = {k: v for k, v in trial.params.items() if k != record.LEVER_PARAM}
@@ -217,6 +218,17 @@ class Teller:
             self.tally.refresh(study)
             self.runs.log_counts(self.tally.counts, self.tally.counts["finished"])
             self.tally.show(finished=1)
+
+
+# A stage's param, and the study attr (and its key) that lists the levers the stage queued
+_QUEUED = {record.RECOMMEND_PARAM: (record.RECOMMENDATION, "levers"), record.FASTER_PARAM: (record.FASTER, "queued")}
+
+
+def _param_name(attrs: dict[str, Any]) -> str:
+    """A lever trial's param: a second-stage trial's (FASTER_PARAM), a recommendation's, or a recipe lever's."""
+    if attrs.get(record.FASTER):
+        return record.FASTER_PARAM
+    return record.RECOMMEND_PARAM if attrs.get(record.RECOMMENDED) else record.LEVER_PARAM
 
 
 def study_attrs(store: StudyStore) -> dict[str, Any]:
