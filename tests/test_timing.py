@@ -79,6 +79,23 @@ def test_the_reference_and_the_finalists_are_timed_alone_round_robin_and_ranked_
     how = "(the median of 3 runs alone on its card: 1,400-2,000)"
     assert f"model.attn_implementation=sdpa): 1,850 tokens_per_s {how}, peak" in _opening(sweep)[4]
     assert best_line(sweep) == f"best stable tokens_per_s within the policies: 1,850 {how} (trial 2)"
+    # and promotion: its words, the production file's header and the registry's tags
+    from src import promote
+    from src.promote.__main__ import _figures
+    from src.promote.registry import _version_tags
+
+    assert _figures(sweep, row).startswith(f"tokens_per_s 1850 {how} (maximize)"), _figures(sweep, row)
+    target = tmp_path / "fast.yaml"
+    header = promote.header(sweep, row, promote.Experiment(), "llama3-qlora", "1", [], False, target)
+    assert "tokens_per_s alone on its card: 1850.0, the median of 3 runs (1400.0-2000.0)" in "\n".join(header)
+    assert "fast.yaml.prev" in header[2] and header[3] == "  python -m src.train experiment=fast", header
+    tags = _version_tags(sweep, row, adapter=True)
+    assert (tags["tokens_per_s_alone"], tags["tokens_per_s_alone_range"], tags["tokens_per_s_alone_runs"]) == (
+        "1850",
+        "1400-2000",
+        "3",
+    )
+    assert tags["tokens_per_s"] == "1400", "the trial's own reading stays as it was measured"
     assert timing.finalists(study, _Store(), lambda: _load(tmp_path), sweeper, slots, [], runs, 24.0) == [], "once"
 
 

@@ -122,7 +122,7 @@ def _promote(
     by_hand = args.trial is not None
     # a production run registers the adapter it trains as a version of this model, beside this one
     exp.values.update({"tracking.registered_model": model, "tracking.registered_version": int(version)})
-    text = exp.text(header(sweep, row, exp, model, version, argv, by_hand))
+    text = exp.text(header(sweep, row, exp, model, version, argv, by_hand, path))
     # the header's time stamp alone is not a change
     unchanged = bool(old) and _body(old) == _body(text) and _model_line(old) == _model_line(text)
     moving = f"alias {ALIAS}: " + (
@@ -148,7 +148,7 @@ def _promote(
         )
         version = str(register(client, model, sweep, row, description).version)
         exp.values["tracking.registered_version"] = int(version)
-        text = exp.text(header(sweep, row, exp, model, version, argv, by_hand))
+        text = exp.text(header(sweep, row, exp, model, version, argv, by_hand, path))
         print(
             f"promoted trial {row.number} of study {sweep.name} ({_figures(sweep, row)}) -> {model} version "
             f"{version}; {moving}"
@@ -175,9 +175,15 @@ def not_ours(path: Path) -> str | None:
 
 
 def _figures(sweep: Sweep, row: TrialRow) -> str:
-    m = row.metrics
+    """Its objective (tokens/s: the median of its runs alone where the sweep timed it, as the report quotes it), peak
+    and headroom."""
+    from src.report.text import read_how
+
+    m, objective = row.metrics, sweep.objectives[0]
+    value = sweep.score(row) if objective in m else float("nan")
+    how = read_how(sweep, row) if objective == "tokens_per_s" and row.timed.get("tokens_per_s") else ""
     return (
-        f"{sweep.objectives[0]} {m.get(sweep.objectives[0], float('nan')):.4g} ({sweep.directions[0]}), "
+        f"{objective} {value:.4g}{how} ({sweep.directions[0]}), "
         f"peak reserved {m.get('peak_vram_reserved_gib', float('nan')):.2f} GiB, "
         f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}"
     )

@@ -205,9 +205,17 @@ def differences(exp: Experiment, trial_cfg: dict[str, Any], ignore: set[str]) ->
 
 
 def header(
-    sweep: Sweep, row: TrialRow, exp: Experiment, model: str, version: str, argv: list[str], by_hand: bool
+    sweep: Sweep,
+    row: TrialRow,
+    exp: Experiment,
+    model: str,
+    version: str,
+    argv: list[str],
+    by_hand: bool,
+    path: Path = DEFAULT_EXPERIMENT_FILE,
 ) -> list[str]:
-    """The file's comment: where the settings come from and what they measured, for the reviewer."""
+    """The file's comment (the file: `path`): where the settings come from and what they measured, for the
+    reviewer."""
     m = row.metrics
     objective = f"{sweep.objectives[0]} ({sweep.directions[0]})"
     budget = m.get("vram_budget_gib", sweep.budget or float("nan"))
@@ -220,8 +228,8 @@ def header(
     lines = [
         f"Production settings, written by: python -m src.promote {' '.join(argv)}".rstrip(),
         f"on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. The file it replaced, if any, is kept beside it as",
-        f"{DEFAULT_EXPERIMENT_FILE.name}.prev (python -m src.promote --dry-run shows a change first). Train it with:",
-        "  python -m src.train experiment=production",
+        f"{path.name}.prev (python -m src.promote --dry-run shows a change first). Train it with:",
+        f"  python -m src.train experiment={path.stem}",
         "",
         f"study:      {sweep.name} (storage {sweep.storage})",
         f"trial:      {row.number}, {how}, margin {sweep.margin:.0%}",
@@ -254,7 +262,13 @@ def _notes(sweep: Sweep, row: TrialRow, exp: Experiment) -> list[str]:
     m = row.metrics
     lines = []
     shared = sweep.card_shared_by()
-    if shared > 1:
+    timed = row.timed
+    if timed.get("tokens_per_s"):  # src/sweep/timing.py: the speed the ranking and the report quote
+        lines.append(
+            f"            tokens_per_s alone on its card: {timed['tokens_per_s']:.1f}, the median of "
+            f"{timed['finished']} runs ({timed['tokens_per_s_min']:.1f}-{timed['tokens_per_s_max']:.1f})"
+        )
+    elif shared > 1:
         lines.append(
             f"            tokens_per_s and step_time_s read with up to {shared} trials sharing a card: not solo"
         )

@@ -92,6 +92,11 @@ def _version_tags(sweep: Sweep, row: TrialRow, adapter: bool) -> dict[str, str]:
         "config": f"runs:/{row.run_id}/config/config.yaml",
     }
     tags.update({key: f"{row.metrics[key]:.4g}" for key in _FIGURES if key in row.metrics})
+    if row.timed.get("tokens_per_s"):  # its speed alone on the card, as ranked and reported (src/sweep/timing.py)
+        timed = row.timed
+        tags["tokens_per_s_alone"] = f"{timed['tokens_per_s']:.4g}"
+        tags["tokens_per_s_alone_range"] = f"{timed['tokens_per_s_min']:.4g}-{timed['tokens_per_s_max']:.4g}"
+        tags["tokens_per_s_alone_runs"] = timed["finished"]
     shared = sweep.card_shared_by()
     if shared > 1:  # its throughput is a shared-card reading, not the setting's solo speed
         tags["card_shared_by"] = shared
