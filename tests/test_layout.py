@@ -66,7 +66,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("the model, its measurement and its checks", ("src.models", "src.measure", "src.preflight")),
     ("the memory model's fit", ("src.fit",)),
     ("one trial", ("src.trial", "src.same_model")),
-    ("a study as it is read", ("src.places", "src.study")),
+    ("a study as it is read", ("src.places", "src.study", "src.readings")),
     ("the sweep", ("src.sweep",)),
     ("the report", ("src.report",)),
     ("promotion", ("src.promote",)),

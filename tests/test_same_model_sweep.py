@@ -127,8 +127,8 @@ def test_the_sweep_checks_its_finalists_against_the_reference_and_drops_one_that
 
 def test_every_speed_in_the_words_says_how_it_was_read(tmp_path: Path) -> None:
     """Issue 46: each tokens/s the report quotes says whether it was read alone on its card or on a shared one."""
+    from src.readings import read_how
     from src.report.advice import what_to_change
-    from src.report.text import read_how
 
     _study(f"sqlite:///{tmp_path}/speed.db", [(1, 2, 1000.0, []), (2, 1, 1500.0, [])])
     sweep = _load(tmp_path)

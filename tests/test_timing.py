@@ -13,9 +13,10 @@ import optuna
 import pytest
 from omegaconf import OmegaConf
 
+from src.readings import best_line, read_how
 from src.record import Outcome, timed_key
 from src.report.recommendation import same_model_words
-from src.report.text import _opening, best_line, read_how
+from src.report.text import _opening
 from src.sweep import timing
 from src.sweep.slots import Slot
 from tests.test_same_model_sweep import SPACE, _load, _Store, _study

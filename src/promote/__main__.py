@@ -177,7 +177,7 @@ def not_ours(path: Path) -> str | None:
 def _figures(sweep: Sweep, row: TrialRow) -> str:
     """Its objective (tokens/s: the median of its runs alone where the sweep timed it, as the report quotes it), peak
     and headroom."""
-    from src.report.text import read_how
+    from src.readings import read_how
 
     m, objective = row.metrics, sweep.objectives[0]
     value = sweep.score(row) if objective in m else float("nan")

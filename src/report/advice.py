@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from src.failures import MEMORY
+from src.readings import read_how
 from src.report.recommendation import recommendation
-from src.report.text import fmt, read_how, share
+from src.report.text import fmt, share
 from src.study import Sweep, TrialRow, short_override
 
 # Knobs that change what one optimizer step trains on (examples per step, rows per example): a setting that moves

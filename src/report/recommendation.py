@@ -6,7 +6,7 @@ measured setting satisfies every policy, it names the policy no setting met and 
 
 from __future__ import annotations
 
-from src.report.text import read_how
+from src.readings import read_how
 from src.study import Sweep, TrialRow, short_override
 
 

@@ -45,6 +45,7 @@ from src import quiet, record, stores, tracking
 from src.config import override_value, study_name_problem
 from src.failures import first_line
 from src.knobs import with_overrides
+from src.readings import best_line
 from src.record import DEAD_WORKER
 from src.redact import redact_text
 from src.study import load as load_sweep
@@ -212,7 +213,7 @@ class SweepEngine:
                 log.info(line)
         if self.ended:
             print(self.ended)
-        best = None if self.ended or stopping.is_set() else self.best_said()
+        best = None if self.ended or stopping.is_set() else _best_said(self.classified)
         print(
             self.tally.summary(
                 self.store.url, self.config.tracking.uri, self.study_dir / "trials", self.report_command(), best
@@ -329,21 +330,20 @@ class SweepEngine:
         self.tally.start_bar(self.sweeper)
         return True
 
-    def best_said(self) -> str | None:
-        """The closing line's best as the report reads it (report.text.best_line); "" where nothing stable is within
-        the policies; None where the study cannot be read now (the tally's own best is said instead)."""
-        from src.report.text import best_line
-
-        try:
-            return best_line(self.classified()) or ""
-        except Exception as exc:  # noqa: BLE001 - only the closing line: the tally's reading stands in
-            log.debug("the closing line's best from the tally (%s)", exc)
-            return None
-
     def classified(self) -> Any:
         """The study as the report reads it (src/study.py): every trial classified, the stable ones ranked."""
         where = (Path(self.config.paths.sweeps_dir), self.store.url, float(self.sweeper.headroom_margin))
         return load_sweep(self.study_name, *where, self.config.tracking.uri)
+
+
+def _best_said(classified: Any) -> str | None:
+    """The closing line's best as the report reads it (src.study.best_line); "" where nothing stable is within the
+    policies; None where the study cannot be read now (the tally's own best is said instead)."""
+    try:
+        return best_line(classified()) or ""
+    except Exception as exc:  # noqa: BLE001 - only the closing line: the tally's reading stands in
+        log.debug("the closing line's best from the tally (%s)", exc)
+        return None
 
 
 def left_to_do(sweeper: DictConfig, study: optuna.Study, classified: Any) -> bool:
