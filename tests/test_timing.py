@@ -156,3 +156,46 @@ def test_the_benchmark_quotes_the_promotion_against_its_reference_both_timed_alo
     assert s["speedup"] == pytest.approx(2.5) and s["same_rows_per_optimizer_step"]
     assert s["same_model"]["passed"] and s["same_model"]["adapter_rel_diff"] == 0.03
     assert s["gpu_minutes"] == pytest.approx(15.2)
+
+
+def test_a_finalist_a_median_moves_into_the_soaks_places_is_checked_and_timed_before_it_is_soaked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen in a CPU rehearsal of the GPU journey (benchmarks/suites/journey_rehearsal.yaml): the recipe, the
+    reference, read 3,577 tokens/s in the map and ranked first, so nothing was checked and only it was timed; its
+    median alone (3,305) then put the second stage's SDPA trial (its one reading alone: 3,510) first, and the soak
+    took that trial, never checked nor timed. The check and the timing now go round until neither has work."""
+    from src import same_model
+    from src.sweep import faster
+    from src.sweep.engine import settle
+
+    storage = f"sqlite:///{tmp_path}/speed.db"
+    _study(storage, [(1, 2, 3577.0, [])])
+    study = optuna.load_study(study_name="speed", storage=storage)
+    _add(study, 3510.0, "cuda0", ["model.attn_implementation=sdpa"])
+    readings = {0: [3577.0, 3305.0, 3100.0], 1: [3450.0, 3400.0]}  # trial 1's own reading alone is its first
+
+    def launch(runs: Any, sweeper: Any, slot: Slot, label: str, overrides: list[str], *args: Any, **kw: Any) -> Any:
+        number, repeat = (int(x) for x in label.removeprefix("timed-").split("."))
+        return Outcome("ok", {"tokens_per_s": readings[number][repeat - 1], "peak_vram_reserved_gib": 8.0})
+
+    checked: list[list[str]] = []
+
+    def check(reference: list[str], candidate: list[str], *args: Any, **kw: Any) -> dict:
+        checked.append(candidate)
+        return {"passed": True, "max_loss_diff": 0.0, "max_loss_rel_diff": 0.0, "adapter_rel_diff": 0.01, "steps": 4,
+                "tolerance": same_model.TOLERANCE}  # fmt: skip
+
+    monkeypatch.setattr(timing, "launch", launch)
+    monkeypatch.setattr(timing, "devices", lambda sweeper: [0])
+    monkeypatch.setattr(same_model, "check", check)
+    sweeper = OmegaConf.create({"timing_repeats": 3, "soak_top_k": 1, "same_model_steps": 4})
+    classified, slots = (lambda: _load(tmp_path)), [Slot("cuda0", {"CUDA_VISIBLE_DEVICES": "0"})]
+    settle(
+        lambda: faster.check_finalists(study, _Store(), classified, sweeper, [], {}),
+        lambda: timing.finalists(study, _Store(), classified, sweeper, slots, [], _Runs(), 24.0),
+    )
+    sweep = classified()
+    first = sweep.ranked()[0]
+    assert first.number == 1 and first.same_model["passed"] and first.timed["tokens_per_s"] == 3450.0
+    assert len(checked) == 1 and sweep.rows[0].timed["tokens_per_s"] == 3305.0

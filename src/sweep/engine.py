@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -200,12 +201,7 @@ class SweepEngine:
                     self.run_workers(study, slots)
             if not stopping.is_set():  # then the finalists that train the same model as the reference, soaked
                 self.tally.close_bar()
-                faster.check_finalists(study, self.store, self.classified, self.sweeper, self.fixed, slots[0].env)
-                probe = [*self.trial_overrides, *self.fixed]
-                timing.finalists(study, self.store, self.classified, self.sweeper, slots, probe, self.runs,
-                                 self.budget, self.ledger)  # fmt: skip
-                args = (self.sweeper, slots, self.fixed, self.runs, self.budget, self.ledger)
-                soak.finalists(study, self.store, self.classified, *args)
+                finalists(self, study, slots)
         finally:
             self.tally.close_bar()
             self.close_parent(study)
@@ -334,6 +330,26 @@ class SweepEngine:
         """The study as the report reads it (src/study.py): every trial classified, the stable ones ranked."""
         where = (Path(self.config.paths.sweeps_dir), self.store.url, float(self.sweeper.headroom_margin))
         return load_sweep(self.study_name, *where, self.config.tracking.uri)
+
+
+def finalists(engine: SweepEngine, study: optuna.Study, slots: list[Slot]) -> None:
+    """After the map, the search and the second stage: the finalists the soak would take, checked to train the
+    reference's model and timed alone (round after round: `settle`), then soaked."""
+    e, probe = engine, [*engine.trial_overrides, *engine.fixed]
+    settle(
+        lambda: faster.check_finalists(study, e.store, e.classified, e.sweeper, e.fixed, slots[0].env),
+        lambda: timing.finalists(study, e.store, e.classified, e.sweeper, slots, probe, e.runs, e.budget, e.ledger),
+    )
+    soak.finalists(study, e.store, e.classified, e.sweeper, slots, e.fixed, e.runs, e.budget, e.ledger)
+
+
+def settle(*stages: Callable[[], list]) -> None:
+    """The finalists' check and timing, in turn, until a round of both does nothing: a timed median can move a
+    finalist that was never checked or timed into the first `soak_top_k` (its one reading beat a median), and the
+    soak must not take it so. Each trial is checked and timed once: a few rounds at most."""
+    for _ in range(2 * len(stages) + 2):
+        if not [done for stage in stages if (done := stage())] or stopping.is_set():
+            return
 
 
 def _best_said(classified: Any) -> str | None:
