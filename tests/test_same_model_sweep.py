@@ -86,6 +86,9 @@ def test_a_lever_that_keeps_the_rows_per_step_is_the_same_optimisation(tmp_path:
     _study(f"sqlite:///{tmp_path}/speed.db", [(1, 2, 1000.0, []), (1, 2, 1200.0, [f"{BATCH}=2", f"{ACC}=1"])])
     sweep = _load(tmp_path)
     assert sweep.same_optimisation(sweep.rows[1]) and sweep.rows_per_step(sweep.rows[1]) == 2
+    from src.report.recommendation import same_model_words
+
+    assert same_model_words(sweep, sweep.rows[1]) == "", "a reference to check it against: the sweep checks it"
 
 
 class _Store:
@@ -241,3 +244,32 @@ def test_each_second_stage_trial_is_a_setting_of_its_own_for_optunas_tools(
 
 def _load_named(root: Path, study: str) -> Sweep:
     return report.load(study, root / "sweeps")
+
+
+def test_a_split_never_checked_because_the_recipe_s_split_never_fit_says_so(tmp_path: Path) -> None:
+    """The recipe (batch 4 x accumulation 1) ran out of memory and only the half batch (2 x 2) fit: the same rows per
+    optimizer step in other micro-batches, with nothing at the recipe's split to check it against. The
+    recommendation says it was not checked (seen in a CPU rehearsal of the journey, where it said nothing)."""
+    from src.report.recommendation import same_model_words
+
+    storage = f"sqlite:///{tmp_path}/speed.db"
+    study = optuna.create_study(study_name="speed", storage=storage, direction="maximize")
+    oom = {"trial.status": "failed", "failure.kind": "oom", "failure.step": 1, "sweep.recipe": True}
+    study.add_trial(
+        optuna.trial.create_trial(
+            params={BATCH: 4, ACC: 1}, distributions=SPACE, state=TrialState.PRUNED, user_attrs=oom
+        )
+    )
+    _study_add = {"trial.status": "ok", "vram_budget_gib": 24.0, "peak_vram_reserved_gib": 8.0,
+                  "vram_headroom_frac": 2 / 3, "tokens_per_s": 900.0, "truncated_answer_frac": 0.0,
+                  "tokens_per_optimizer_step": 600.0, "sweep.lever_of": 0,
+                  "sweep.lever": json.dumps([f"{BATCH}=2", f"{ACC}=2"])}  # fmt: skip
+    study.add_trial(
+        optuna.trial.create_trial(params={BATCH: 4, ACC: 1}, distributions=SPACE, value=900.0, user_attrs=_study_add)
+    )
+    sweep = _load(tmp_path)
+    half = sweep.rows[1]
+    assert sweep.recommended() is half and sweep.same_optimisation(half)
+    said = same_model_words(sweep, half)
+    assert "not checked to train your recipe's model" in said and "batch 4 x accumulation 1" in said, said
+    assert same_model_words(sweep, sweep.rows[0]) == "", "the recipe itself"

@@ -74,6 +74,8 @@ def same_model_words(sweep: Sweep, row: TrialRow) -> str:
     """The same-model check's verdict on the setting (src/sweep/faster.py), where the sweep made it, and its speed
     against the reference's where the sweep timed both alone (src/sweep/timing.py)."""
     check = row.same_model
+    if not check:
+        return _unchecked(sweep, row)
     if not check.get("passed") or "max_loss_diff" not in check:
         return ""
     tol = check["tolerance"]
@@ -89,6 +91,23 @@ def same_model_words(sweep: Sweep, row: TrialRow) -> str:
             f"{row.timed['tokens_per_s']:,.0f} against {ref.timed['tokens_per_s']:,.0f} tokens/s)"
         )
     return said
+
+
+def _unchecked(sweep: Sweep, row: TrialRow) -> str:
+    """A setting that splits the recipe's rows per optimizer step into other micro-batches, with nothing at the
+    recipe's own split good enough to check it against (the recipe did not fit): said, since the check never ran."""
+    from src.sweep.faster import reference
+
+    recipe = sweep.recipe_row()
+    if recipe is None or row is recipe or sweep.step(row) == sweep.step(recipe) or not sweep.same_optimisation(row):
+        return ""
+    if reference(sweep) is not None:
+        return ""
+    batch, accumulation = sweep.step(recipe) or (None, None)
+    return (
+        f"; not checked to train your recipe's model: it splits the same rows per optimizer step into other "
+        f"micro-batches, and nothing at your batch {batch} x accumulation {accumulation} fit to check it against"
+    )
 
 
 def _loss(said: dict) -> str:
