@@ -87,8 +87,12 @@ def test_the_reference_and_the_finalists_are_timed_alone_round_robin_and_ranked_
 
     assert _figures(sweep, row).startswith(f"tokens_per_s 1850 {how} (maximize)"), _figures(sweep, row)
     target = tmp_path / "fast.yaml"
+    sweep.rows[0].slot, sweep.rows[1].slot = "cuda0#0", "cuda0#1"  # the map's trials shared the card
     header = promote.header(sweep, row, promote.Experiment(), "llama3-qlora", "1", [], False, target)
     assert "tokens_per_s alone on its card: 1850.0, the median of 3 runs (1400.0-2000.0)" in "\n".join(header)
+    assert any("2 trials sharing a card: not solo" in line for line in header), (
+        "its figures line: the trial's own reading"
+    )
     assert "fast.yaml.prev" in header[2] and header[3] == "  python -m src.train experiment=fast", header
     tags = _version_tags(sweep, row, adapter=True)
     assert (tags["tokens_per_s_alone"], tags["tokens_per_s_alone_range"], tags["tokens_per_s_alone_runs"]) == (

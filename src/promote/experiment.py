@@ -262,15 +262,15 @@ def _notes(sweep: Sweep, row: TrialRow, exp: Experiment) -> list[str]:
     m = row.metrics
     lines = []
     shared = sweep.card_shared_by()
+    if shared > 1:  # the figures line is the trial's own reading
+        lines.append(
+            f"            tokens_per_s and step_time_s read with up to {shared} trials sharing a card: not solo"
+        )
     timed = row.timed
     if timed.get("tokens_per_s"):  # src/sweep/timing.py: the speed the ranking and the report quote
         lines.append(
             f"            tokens_per_s alone on its card: {timed['tokens_per_s']:.1f}, the median of "
             f"{timed['finished']} runs ({timed['tokens_per_s_min']:.1f}-{timed['tokens_per_s_max']:.1f})"
-        )
-    elif shared > 1:
-        lines.append(
-            f"            tokens_per_s and step_time_s read with up to {shared} trials sharing a card: not solo"
         )
     if "peak_vram_device_gib" in m:
         lines.append(
