@@ -25,6 +25,13 @@ def read_how(sweep: Sweep, row: TrialRow) -> str:
     return " (read alone on its card)"
 
 
+def timed_how(sweep: Sweep, row: TrialRow) -> str:
+    """read_how's words where the study's objective is tokens/s and the sweep timed the trial alone (its score is
+    then that median); "" otherwise."""
+    timed = sweep.objectives[0] == "tokens_per_s" and row.timed.get("tokens_per_s")
+    return read_how(sweep, row) if timed else ""
+
+
 def best_line(sweep: Sweep) -> str | None:
     """The sweep's closing line on its best setting, as the report reads it: the first ranked trial (none that
     trains another model or failed the same-model check) and its objective, the median of its runs alone where the

@@ -177,13 +177,12 @@ def not_ours(path: Path) -> str | None:
 def _figures(sweep: Sweep, row: TrialRow) -> str:
     """Its objective (tokens/s: the median of its runs alone where the sweep timed it, as the report quotes it), peak
     and headroom."""
-    from src.readings import read_how
+    from src.readings import timed_how
 
     m, objective = row.metrics, sweep.objectives[0]
     value = sweep.score(row) if objective in m else float("nan")
-    how = read_how(sweep, row) if objective == "tokens_per_s" and row.timed.get("tokens_per_s") else ""
     return (
-        f"{objective} {value:.4g}{how} ({sweep.directions[0]}), "
+        f"{objective} {value:.4g}{timed_how(sweep, row)} ({sweep.directions[0]}), "
         f"peak reserved {m.get('peak_vram_reserved_gib', float('nan')):.2f} GiB, "
         f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}"
     )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from src import redact
 from src.knobs import figure, fmt, label
-from src.readings import read_how
+from src.readings import timed_how
 from src.study import Sweep, TrialRow
 
 if TYPE_CHECKING:
@@ -227,17 +227,17 @@ def _opening(sweep: Sweep) -> list[str]:
     m = best.metrics
     setting = [f"{k}={fmt(best.params[k])}" for k in sweep.knobs if k in best.params] + best.lever
     promote = promote_command(sweep, best)
-    timed = objective == "tokens_per_s" and bool(best.timed.get("tokens_per_s"))
+    how = timed_how(sweep, best)
     return [
         *out,
         f"Best stable setting by the study's objective ({objective}, {direction}): **trial {best.number}** "
         f"({', '.join(setting)}): "
-        f"{figure(sweep.score(best)) if objective in m else 'nan'} {objective}{read_how(sweep, best) if timed else ''}, "
+        f"{figure(sweep.score(best)) if objective in m else 'nan'} {objective}{how}, "
         f"peak reserved {m.get('peak_vram_reserved_gib', 0):.2f} GiB, "
         f"headroom {m.get('vram_headroom_frac', float('nan')):.0%}"
         + (
             f" ({objective} read on a card shared by up to {shared} trials: see Throughput)"
-            if shared > 1 and objective in SPEED_METRICS and not timed
+            if shared > 1 and objective in SPEED_METRICS and not how
             else ""
         )
         + f". Promote it: `{promote}`"
